@@ -1,0 +1,1 @@
+"""Shared pytest setup. Fixture checkpoints live in tests/fixtures.py (imported here)."""
