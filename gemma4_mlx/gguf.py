@@ -165,7 +165,8 @@ _SCALAR_DTYPES: dict[int, np.dtype] = {
     12: np.dtype("<f8"),
 }
 _SCALAR_STRUCTS: dict[int, struct.Struct] = {
-    code: struct.Struct("<" + dt.char) for code, dt in _SCALAR_DTYPES.items()
+    code: struct.Struct("<" + fmt)
+    for code, fmt in {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}.items()
 }
 _INT_RANGES: dict[int, tuple[int, int]] = {
     0: (0, 2**8 - 1),
