@@ -321,20 +321,26 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
     out = np.empty(n, dtype=np.float32)
     if ggml_type in (F16, BF16):
         src = flat.view("<f2" if ggml_type == F16 else "<u2")
+        out_bits = out.view(np.uint32)
 
         def convert(a: int, b: int) -> None:
             if ggml_type == F16:
                 out[a:b] = src[a:b]
-            else:
-                out[a:b] = bf16_to_f32(src[a:b])
+            else:  # bf16 bits are the high half of the float32 bits
+                out_bits[a:b] = src[a:b]
+                out_bits[a:b] <<= np.uint32(16)
 
         _for_ranges(n, _CHUNK_ELEMS * 4, convert)
         return out.reshape(shape)
     blocks = flat.reshape(-1, bb)
     out_blocks = out.reshape(-1, be)
     fn = _DEQUANT_BLOCKS[ggml_type]
-    _for_ranges(blocks.shape[0], max(1, _CHUNK_ELEMS // be),
-                lambda a, b: fn(blocks[a:b], out_blocks[a:b]))
+
+    def convert_blocks(a: int, b: int) -> None:
+        with np.errstate(all="ignore"):  # inf/nan scale fields just give inf/nan weights
+            fn(blocks[a:b], out_blocks[a:b])
+
+    _for_ranges(blocks.shape[0], max(1, _CHUNK_ELEMS // be), convert_blocks)
     return out.reshape(shape)
 
 
