@@ -269,3 +269,17 @@ def test_mlx_fp16_scales_promote_bf16_activations():
     cast = mx.quantized_matmul(x, w, scales.astype(mx.bfloat16), biases.astype(mx.bfloat16),
                                transpose=True, group_size=32, bits=4)
     assert mixed.dtype == mx.float32 and cast.dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("ggml_type,to_mlx,d", [(Q.Q4_0, Q.q4_0_to_mlx_affine, 8192.0),
+                                                 (Q.Q8_0, Q.q8_0_to_mlx_affine, 512.0)])
+def test_mlx_affine_rejects_bias_overflow(ggml_type, to_mlx, d):
+    """-8d / -128d must fit in fp16; a larger block scale raises instead of giving an inf bias."""
+    bb = Q.BLOCK_SIZES[ggml_type][2]
+    raw = np.zeros((1, 2 * bb), np.uint8)
+    raw[0, bb:bb + 2] = np.array([d], np.float16).view(np.uint8)
+    with pytest.raises(ValueError, match=Q.type_name(ggml_type)):
+        to_mlx(raw, (1, 64))
+    raw[0, bb:bb + 2] = np.array([d / 2], np.float16).view(np.uint8)   # largest power of two that fits
+    _, _, biases = to_mlx(raw, (1, 64))
+    assert np.isfinite(biases).all() and biases[0, 1] == -np.float16(d / 2) * (8 if ggml_type == Q.Q4_0 else 128)
