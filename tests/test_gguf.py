@@ -227,7 +227,7 @@ def test_big_token_array_parses_fast(tmp_path):
         elapsed = time.perf_counter() - start
         assert f.metadata["tokenizer.ggml.tokens"] == tokens
         assert f.metadata["tokenizer.ggml.scores"].shape == (n,) and f.tensors == {}
-    assert elapsed < 0.6, elapsed
+    assert elapsed < 1.0, elapsed  # measured ~0.2-0.3 s on 2 cores
 
 
 # --- write_gguf input validation -----------------------------------------------------------
