@@ -89,6 +89,8 @@ class GGMLType(IntEnum):
     TQ1_0 = 34
     TQ2_0 = 35
     MXFP4 = 39
+    NVFP4 = 40
+    Q1_0 = 41
 
 
 # type -> (elements per block, bytes per block); equal to gguf.constants.GGML_QUANT_SIZES (tested).
@@ -125,6 +127,8 @@ _BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
     GGMLType.TQ1_0: (256, 54),
     GGMLType.TQ2_0: (256, 66),
     GGMLType.MXFP4: (32, 17),
+    GGMLType.NVFP4: (64, 36),
+    GGMLType.Q1_0: (128, 18),
 }
 
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
