@@ -1,0 +1,166 @@
+"""KV caches for Gemma 4: a growable (or preallocated) cache for full-attention layers, a ring for
+sliding-window layers, and `make_cache` that gives one cache per layer that owns K/V (KV-shared
+consumer layers read their producer's K/V within the same forward step and own no cache).
+
+Every cache stores K/V after norm/RoPE as [B, n_kv_heads, capacity, head_dim] plus the absolute
+position held by each slot (-1 for an empty slot), so masks are built from positions, never from
+slot indices, and a ring may hold its slots in any order.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .config import ModelConfig
+
+
+class KVCache:
+    """Full-attention cache: slots 0..offset-1 hold positions 0..offset-1.
+
+    Grows in `step`-sized chunks, or is preallocated to `max_size` positions (then writing past it
+    raises)."""
+
+    def __init__(self, step: int = 256, max_size: int | None = None):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+        self.step = step
+        self.max_size = max_size
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
+        if self.max_size is not None and needed > self.max_size:
+            raise ValueError(f"KV cache is full: {needed} positions needed, --max-kv-size is {self.max_size}")
+        if needed <= self.capacity:
+            return
+        B, H, _, Dk = keys.shape
+        Dv = values.shape[3]
+        if self.max_size is not None:
+            new_cap = self.max_size
+        else:
+            new_cap = ((needed + self.step - 1) // self.step) * self.step
+        k = mx.zeros((B, H, new_cap, Dk), keys.dtype)
+        v = mx.zeros((B, H, new_cap, Dv), values.dtype)
+        if self.keys is not None:
+            k[:, :, : self.offset] = self.keys[:, :, : self.offset]
+            v[:, :, : self.offset] = self.values[:, :, : self.offset]
+        self.keys, self.values = k, v
+
+    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Append keys/values [B, H, T, D]; return (K, V, positions) over all valid slots."""
+        T = keys.shape[2]
+        start = self.offset
+        self._grow(keys, values, start + T)
+        self.keys[:, :, start : start + T] = keys
+        self.values[:, :, start : start + T] = values
+        self.offset = start + T
+        return (self.keys[:, :, : self.offset], self.values[:, :, : self.offset],
+                mx.arange(self.offset, dtype=mx.int32))
+
+    def rollback(self, length: int) -> None:
+        """Forget every position >= length."""
+        if not 0 <= length <= self.offset:
+            raise ValueError(f"cannot roll back a cache of length {self.offset} to {length}")
+        self.offset = length
+
+    @property
+    def state(self):
+        return [] if self.keys is None else [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class RotatingKVCache:
+    """Sliding-window cache: a ring of `window + slack` slots; slot of position p is p % capacity.
+
+    A query at position q sees keys at q-window+1 .. q. The `slack` extra slots keep the tokens a
+    `rollback` of up to `slack` positions needs (speculative decoding, prefix reuse)."""
+
+    def __init__(self, window: int, slack: int = 32):
+        self.window = window
+        self.slack = slack
+        self.capacity = window + slack
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.positions: mx.array | None = None  # [capacity] int32, -1 = empty
+        self.offset = 0  # number of positions written so far (= next position)
+
+    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Append keys/values [B, H, T, D] for positions offset..offset+T-1.
+
+        Returns (K, V, positions) covering the ring before this write plus the new tokens, so a
+        chunk of T > 1 tokens sees the whole window of every query in it."""
+        B, H, T, Dk = keys.shape
+        Dv = values.shape[3]
+        C = self.capacity
+        if self.keys is None:
+            self.keys = mx.zeros((B, H, C, Dk), keys.dtype)
+            self.values = mx.zeros((B, H, C, Dv), values.dtype)
+            self.positions = mx.full((C,), -1, mx.int32)
+        new_pos = mx.arange(self.offset, self.offset + T, dtype=mx.int32)
+        if T == 1:
+            slot = self.offset % C
+            self.keys[:, :, slot : slot + 1] = keys
+            self.values[:, :, slot : slot + 1] = values
+            self.positions[slot : slot + 1] = new_pos
+            self.offset += 1
+            return self.keys, self.values, self.positions
+        K = mx.concatenate([self.keys, keys], axis=2)
+        V = mx.concatenate([self.values, values], axis=2)
+        P = mx.concatenate([self.positions, new_pos])
+        keep = min(T, C)  # only the last C new tokens can stay in the ring
+        slots = mx.array([(self.offset + T - keep + i) % C for i in range(keep)], dtype=mx.int32)
+        self.keys[:, :, slots] = keys[:, :, T - keep :]
+        self.values[:, :, slots] = values[:, :, T - keep :]
+        self.positions[slots] = new_pos[T - keep :]
+        self.offset += T
+        return K, V, P
+
+    def rollback(self, length: int) -> None:
+        """Forget every position >= length; at most `slack` positions back."""
+        if not 0 <= length <= self.offset:
+            raise ValueError(f"cannot roll back a cache of length {self.offset} to {length}")
+        if self.offset - length > self.slack and self.offset > self.capacity:
+            raise ValueError(f"sliding-window cache can roll back at most {self.slack} positions "
+                             f"({self.offset} -> {length} requested)")
+        if self.positions is not None:
+            self.positions = mx.where(self.positions >= length, -1, self.positions)
+        self.offset = length
+
+    @property
+    def state(self):
+        return [] if self.keys is None else [self.keys, self.values, self.positions]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, rollback_slack: int = 32) -> list:
+    """One cache per layer: KVCache / RotatingKVCache for layers that own K/V, None for consumers."""
+    caches = []
+    for layer in cfg.layers:
+        if layer.kv_shared:
+            caches.append(None)
+        elif layer.is_sliding:
+            caches.append(RotatingKVCache(layer.sliding_window, rollback_slack))
+        else:
+            caches.append(KVCache(max_size=max_kv_size))
+    return caches
+
+
+def cache_length(cache: list) -> int:
+    """Number of positions held (all owning caches agree)."""
+    return next((c.offset for c in cache if c is not None), 0)
+
+
+def rollback(cache: list, length: int) -> None:
+    """Roll every cache of a model back to `length` positions."""
+    for c in cache:
+        if c is not None:
+            c.rollback(length)

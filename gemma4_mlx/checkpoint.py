@@ -1,0 +1,186 @@
+"""Build a `Model` from a GGUF file or a Hugging Face safetensors directory.
+
+Weights are converted one tensor at a time and evaluated right away, so the peak memory of a load
+stays close to the final weight memory. Q4_0 / Q8_0 GGUF tensors stay quantized (quantized.py);
+every other type becomes `dtype` (bf16 by default, f32 for exact comparisons).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from tqdm import tqdm
+
+from . import quants
+from .config import ModelConfig
+from .gguf import GGMLType, read_gguf
+from .model import ExpertLinear, Model
+from .quantized import BITS, GROUP_SIZE, QuantizedEmbedding, QuantizedLinear, quantized_experts
+from .weights import ROPE_FREQS, UnknownTensorName, gguf_to_hf_name, is_multimodal_tower, strip_hf_prefix
+
+
+class LoadError(ValueError):
+    """A checkpoint that cannot be loaded; the message says which file and why."""
+
+
+_SHARED_KV = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight")
+
+
+def _module_name(cfg: ModelConfig, hf_name: str) -> str | None:
+    """HF tensor name (any prefix) -> our parameter name, or None for tensors we do not use."""
+    if is_multimodal_tower(hf_name):
+        return None
+    name = strip_hf_prefix(hf_name)
+    if name == "lm_head.weight" or "rotary_emb" in name:
+        return None
+    parts = name.split(".")
+    if parts[0] == "layers":
+        i = int(parts[1])
+        rest = ".".join(parts[2:])
+        if cfg.layers[i].kv_shared and rest in _SHARED_KV:
+            return None
+        if rest in ("experts.gate_up_proj", "experts.down_proj"):
+            name += ".weight"
+    return "model." + name
+
+
+def _progress(items, desc: str, show: bool):
+    return tqdm(items, desc=desc, unit="tensor", disable=not show, leave=False)
+
+
+def load_hf(path: str | os.PathLike, dtype=mx.bfloat16, progress: bool = True) -> Model:
+    """From a directory with config.json and *.safetensors (sharded or not; multimodal towers skipped)."""
+    path = Path(path)
+    cfg = ModelConfig.from_hf(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"{path} has a config.json but no *.safetensors weights")
+    model = Model(cfg)
+    params = {}
+    for f in files:
+        try:
+            tensors = mx.load(str(f))
+        except Exception as e:  # MLX raises plain RuntimeError/ValueError on malformed files
+            raise LoadError(f"cannot read {f}: {e}") from None
+        for hf_name in _progress(list(tensors), f"loading {f.name}", progress):
+            name = _module_name(cfg, hf_name)
+            if name is None:
+                continue
+            arr = tensors.pop(hf_name).astype(dtype)
+            mx.eval(arr)
+            params[name] = arr
+        del tensors
+    _assign(model, params, str(path))
+    return model
+
+
+def _gguf_array(t, dtype) -> mx.array:
+    """A float GGUF tensor (any non-Q4_0/Q8_0 type) as an MLX array of `dtype`."""
+    if t.ggml_type == GGMLType.F32:
+        arr = mx.array(t.data.view(np.float32).reshape(t.shape))
+    elif t.ggml_type == GGMLType.F16:
+        arr = mx.array(t.data.view(np.float16).reshape(t.shape))
+    elif t.ggml_type == GGMLType.BF16:
+        arr = mx.array(t.data.view(np.uint16).reshape(t.shape)).view(mx.bfloat16)
+    else:
+        arr = mx.array(quants.dequantize(t.data, t.ggml_type, t.shape))
+    return arr.astype(dtype)
+
+
+def _set_module(model: Model, path: str, module) -> None:
+    *parents, leaf = path.split(".")
+    obj = model
+    for p in parents:
+        obj = obj[int(p)] if p.isdigit() else getattr(obj, p)
+    setattr(obj, leaf, module)
+
+
+def _get_module(model: Model, path: str):
+    obj = model
+    for p in path.split("."):
+        obj = obj[int(p)] if p.isdigit() else getattr(obj, p)
+    return obj
+
+
+def load_gguf(path: str | os.PathLike, dtype=mx.bfloat16, progress: bool = True) -> tuple[Model, dict]:
+    """From a llama.cpp `gemma4` GGUF file (strictly validated; see gguf.py). Returns (model, metadata)."""
+    g = read_gguf(path)
+    try:
+        cfg = ModelConfig.from_gguf(g.metadata, g.tensors)
+        model = Model(cfg)
+        params = {}
+        for gname, t in _progress(list(g.tensors.items()), f"loading {Path(path).name}", progress):
+            if gname == ROPE_FREQS:
+                continue
+            try:
+                name = _module_name(cfg, gguf_to_hf_name(gname))
+            except UnknownTensorName as e:
+                raise LoadError(f"{path}: {e}") from None
+            if name is None:
+                continue
+            if t.ggml_type in BITS and len(t.shape) >= 2:
+                bits = BITS[t.ggml_type]
+                mod_path = name.rsplit(".", 1)[0]
+                if len(t.shape) == 3:
+                    expert = _get_module(model, mod_path)
+                    assert isinstance(expert, ExpertLinear)
+                    for k, v in quantized_experts(*t.shape[:1], t.shape[2], t.shape[1], bits).items():
+                        setattr(expert, k, v)
+                    expert.bits, expert.group_size = bits, GROUP_SIZE
+                else:
+                    out_dims, in_dims = t.shape
+                    if mod_path.endswith(("embed_tokens", "embed_tokens_per_layer")):
+                        module = QuantizedEmbedding(out_dims, in_dims, bits, dtype)
+                    else:
+                        module = QuantizedLinear(in_dims, out_dims, bits)
+                    _set_module(model, mod_path, module)
+                to_affine = quants.q4_0_to_mlx_affine if bits == 4 else quants.q8_0_to_mlx_affine
+                w, s, b = to_affine(t.data, t.shape)
+                for suffix, arr in (("weight", w), ("scales", s.astype(np.float32)), ("biases", b.astype(np.float32))):
+                    params[f"{mod_path}.{suffix}"] = mx.array(arr)
+                    mx.eval(params[f"{mod_path}.{suffix}"])
+                continue
+            arr = _gguf_array(t, dtype)
+            mx.eval(arr)
+            params[name] = arr
+        _assign(model, params, str(path))
+    finally:
+        g.close()
+    return model, g.metadata
+
+
+def _assign(model: Model, params: dict, source: str) -> None:
+    """Load params into the model; every parameter must be present with the right shape."""
+    expected = dict(_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(params))
+    if missing:
+        raise LoadError(f"{source}: missing tensor for {missing[0]}" +
+                        (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = sorted(set(params) - set(expected))
+    if extra:
+        raise LoadError(f"{source}: unexpected tensor {extra[0]}")
+    for k, v in params.items():
+        if tuple(v.shape) != tuple(expected[k].shape):
+            raise LoadError(f"{source}: tensor {k} has shape {tuple(v.shape)}, the config implies "
+                            f"{tuple(expected[k].shape)}")
+    model.load_weights(list(params.items()), strict=True)
+    mx.eval(model.parameters())
+
+
+def _flatten(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, f"{prefix}{k}.")
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _flatten(v, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], tree

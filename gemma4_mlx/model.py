@@ -1,0 +1,275 @@
+"""Gemma 4 text models as MLX modules (gemma4-spec.md §3-§4).
+
+Parameter names mirror transformers' `Gemma4ForCausalLM` (`model.layers.N.self_attn.q_proj.weight`
+...), so HF safetensors map 1:1; the one difference is that the fused expert tensors carry a
+`.weight` suffix (`experts.gate_up_proj.weight`), as in GGUF.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import FULL, LayerSpec, ModelConfig
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    return 0.5 * x * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * (x * x * x))))
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight (no "1 + w"), computed in fp32. `with_scale=False`: no weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        if with_scale:
+            self.weight = mx.ones((dim,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.get("weight"), self.eps)
+
+
+class ExpertLinear(nn.Module):
+    """A stack of E expert matrices weight [E, out, in]; `x[..., k, 1, in]` @ weight[idx].T."""
+
+    def __init__(self, num_experts: int, in_dims: int, out_dims: int):
+        super().__init__()
+        self.weight = mx.zeros((num_experts, out_dims, in_dims))
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if "scales" in self:
+            return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=indices,
+                                 transpose=True, group_size=self.group_size, bits=self.bits).astype(x.dtype)
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        H, d = cfg.hidden_size, spec.head_dim
+        self.spec = spec
+        self.q_proj = nn.Linear(H, spec.num_heads * d, bias=False)
+        self.o_proj = nn.Linear(spec.num_heads * d, H, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        if not spec.kv_shared:
+            self.k_proj = nn.Linear(H, spec.num_kv_heads * d, bias=False)
+            if not spec.k_eq_v:
+                self.v_proj = nn.Linear(H, spec.num_kv_heads * d, bias=False)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.v_norm = RMSNorm(d, cfg.rms_norm_eps, with_scale=False)
+        if spec.is_sliding:
+            self._rope = dict(base=spec.rope_theta, freqs=None)
+        else:
+            # Proportional RoPE: pairs (i, i + d/2), frequency theta^(-2i/d) for the first
+            # rope_pairs pairs, 0 (an infinite period) for the rest. MLX takes periods.
+            n = spec.rope_pairs
+            periods = [spec.rope_theta ** (2 * i / d) for i in range(n)] + [math.inf] * (d // 2 - n)
+            self._rope = dict(base=None, freqs=mx.array(periods, dtype=mx.float32))
+
+    def rope(self, x: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(x, self.spec.head_dim, traditional=False, scale=1.0, offset=offset, **self._rope)
+
+    def __call__(self, x, offset, cache, shared_kv, mask_fn):
+        B, T, _ = x.shape
+        s = self.spec
+        q = self.q_proj(x).reshape(B, T, s.num_heads, s.head_dim)
+        q = self.rope(self.q_norm(q).transpose(0, 2, 1, 3), offset)
+        if s.kv_shared:
+            keys, values, positions = shared_kv[s.type]
+        else:
+            k = self.k_proj(x).reshape(B, T, s.num_kv_heads, s.head_dim)
+            v = k if s.k_eq_v else self.v_proj(x).reshape(B, T, s.num_kv_heads, s.head_dim)
+            k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
+            v = self.v_norm(v).transpose(0, 2, 1, 3)
+            if cache is not None:
+                keys, values, positions = cache.update(k, v)
+            else:
+                keys, values, positions = k, v, mx.arange(offset, offset + T, dtype=mx.int32)
+            shared_kv[s.type] = (keys, values, positions)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask_fn(s, positions))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Expert choice (§3.6): weightless norm x scale x H^-1/2 -> logits -> fp32 softmax -> top-k,
+    renormalised, times per_expert_scale. Returns (weights [..., k] fp32, indices [..., k])."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.top_k_experts
+        self.eps = cfg.rms_norm_eps
+        self.root = cfg.hidden_size ** -0.5
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = mx.ones((cfg.hidden_size,))
+        self.per_expert_scale = mx.ones((cfg.num_experts,))
+
+    def __call__(self, h):
+        r = mx.fast.rms_norm(h, None, self.eps) * self.scale * self.root
+        probs = mx.softmax(self.proj(r).astype(mx.float32), axis=-1)
+        idx = mx.argpartition(-probs, self.top_k - 1, axis=-1)[..., : self.top_k]
+        w = mx.take_along_axis(probs, idx, axis=-1)
+        w = w / w.sum(axis=-1, keepdims=True)
+        return w * self.per_expert_scale[idx].astype(mx.float32), idx
+
+
+class Experts(nn.Module):
+    """E GeGLU experts with fused gate|up weights [E, 2F, H] and down weights [E, H, F]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.width = F
+        self.gate_up_proj = ExpertLinear(E, H, 2 * F)
+        self.down_proj = ExpertLinear(E, F, H)
+
+    def __call__(self, x, weights, indices):
+        x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H]
+        gate_up = self.gate_up_proj(x, indices)  # [..., k, 1, 2F]
+        gate, up = gate_up[..., : self.width], gate_up[..., self.width :]
+        y = self.down_proj(gelu_tanh(gate) * up, indices).squeeze(-2)  # [..., k, H]
+        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.spec = spec
+        self.self_attn = Attention(cfg, spec)
+        self.mlp = MLP(H, spec.intermediate_size)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.pre_feedforward_layernorm = RMSNorm(H, eps)
+        self.post_feedforward_layernorm = RMSNorm(H, eps)
+        self.layer_scalar = mx.ones((1,))
+        if spec.moe:
+            self.router = Router(cfg)
+            self.experts = Experts(cfg)
+            self.pre_feedforward_layernorm_2 = RMSNorm(H, eps)
+            self.post_feedforward_layernorm_1 = RMSNorm(H, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(H, eps)
+        self.ple = cfg.hidden_size_per_layer_input > 0
+        if self.ple:
+            D = cfg.hidden_size_per_layer_input
+            self.per_layer_input_gate = nn.Linear(H, D, bias=False)
+            self.per_layer_projection = nn.Linear(D, H, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(H, eps)
+
+    def __call__(self, h, offset, cache, shared_kv, mask_fn, per_layer_input=None):
+        a = self.self_attn(self.input_layernorm(h), offset, cache, shared_kv, mask_fn)
+        h = h + self.post_attention_layernorm(a)
+        m = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.spec.moe:
+            weights, indices = self.router(h)
+            moe = self.experts(self.pre_feedforward_layernorm_2(h), weights, indices)
+            m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(moe)
+        h = h + self.post_feedforward_layernorm(m)
+        if self.ple:
+            g = gelu_tanh(self.per_layer_input_gate(h)) * per_layer_input
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        return h * self.layer_scalar
+
+
+class TextModel(nn.Module):
+    """Embeddings, decoder layers and final norm (HF `Gemma4TextModel`)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [DecoderLayer(cfg, spec) for spec in cfg.layers]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        D = cfg.hidden_size_per_layer_input
+        if D:
+            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, cfg.num_hidden_layers * D)
+            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, cfg.num_hidden_layers * D, bias=False)
+            self.per_layer_projection_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """Scaled token embeddings [B, T, H]; the scale is rounded to the weight dtype as in HF."""
+        e = self.embed_tokens(tokens)
+        return e * mx.array(self.cfg.hidden_size ** 0.5, dtype=mx.float32).astype(e.dtype)
+
+    def per_layer_inputs(self, tokens: mx.array, h: mx.array) -> mx.array:
+        """PLE inputs [B, T, L, D] (§4.1) from token ids and the scaled embeddings h."""
+        cfg = self.cfg
+        L, D = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
+        t = self.embed_tokens_per_layer(tokens)
+        t = t * mx.array(D ** 0.5, dtype=mx.float32).astype(t.dtype)
+        p = self.per_layer_model_projection(h) * (cfg.hidden_size ** -0.5)
+        p = self.per_layer_projection_norm(p.reshape(*h.shape[:-1], L, D))
+        return (p + t.reshape(*tokens.shape, L, D)) * (2.0 ** -0.5)
+
+    def __call__(self, tokens, cache=None, hidden_states: list | None = None):
+        B, T = tokens.shape
+        offset = next((c.offset for c in (cache or []) if c is not None), 0)
+        h = self.embed(tokens)
+        ple = self.per_layer_inputs(tokens, h) if self.cfg.hidden_size_per_layer_input else None
+        q_pos = mx.arange(offset, offset + T, dtype=mx.int32)
+        masks = {}
+
+        def mask_fn(spec: LayerSpec, k_pos: mx.array):
+            key = (spec.type, k_pos.shape[0])
+            if key not in masks:
+                diff = q_pos[:, None] - k_pos[None, :]
+                ok = (k_pos[None, :] >= 0) & (diff >= 0)
+                if spec.is_sliding:
+                    ok = ok & (diff < spec.sliding_window)
+                masks[key] = ok
+            return masks[key]
+
+        shared_kv: dict = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, offset, cache[i] if cache else None, shared_kv, mask_fn,
+                      ple[:, :, i] if ple is not None else None)
+            if hidden_states is not None:
+                hidden_states.append(h)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    """Gemma 4 causal LM: `model(tokens [B, T], cache) -> logits [B, T, V]` (fp32, softcapped)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = TextModel(cfg)
+
+    def __call__(self, tokens: mx.array, cache: list | None = None, return_hidden_states: bool = False):
+        """tokens: int [B, T]; cache: from `cache.make_cache` (None: no cache, positions start at 0).
+
+        With return_hidden_states=True returns (logits, hidden) where hidden lists the embedding
+        output followed by every layer's output [B, T, H] (before the final norm)."""
+        hidden = [] if return_hidden_states else None
+        if hidden is not None:
+            hidden.append(self.model.embed(tokens))
+        y = self.model(tokens, cache, hidden)
+        logits = self.logits(y)
+        return (logits, hidden) if return_hidden_states else logits
+
+    def logits(self, y: mx.array) -> mx.array:
+        """Tied head and final softcap on final-normed hidden states y [..., H] -> fp32 [..., V]."""
+        logits = self.model.embed_tokens.as_linear(y).astype(mx.float32)
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    @property
+    def layers(self):
+        return self.model.layers

@@ -1,0 +1,59 @@
+"""Layers whose weights stay in a GGUF block format (Q4_0 / Q8_0).
+
+On every backend the weight is held as MLX affine group-32 quantization, which maps Q4_0 / Q8_0
+losslessly (scale d, bias -8d / -128d; gemma4_mlx.quants). Scales and biases are held in f32: the
+file's fp16 d is exact there, while MLX rounds d*q+b twice when scales are fp16 (and bf16 would round
+d itself). Outputs are cast back to the activation dtype (MLX promotes bf16 x f32 to f32).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .quants import Q4_0, Q8_0
+
+BITS = {Q4_0: 4, Q8_0: 8}
+GROUP_SIZE = 32
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W.T for W [out, in] stored as (weight uint32, scales, biases), group 32."""
+
+    def __init__(self, in_dims: int, out_dims: int, bits: int):
+        super().__init__()
+        self.bits = bits
+        self.group_size = GROUP_SIZE
+        self.weight = mx.zeros((out_dims, in_dims * bits // 32), mx.uint32)
+        self.scales = mx.zeros((out_dims, in_dims // GROUP_SIZE), mx.float32)
+        self.biases = mx.zeros((out_dims, in_dims // GROUP_SIZE), mx.float32)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
+                                group_size=self.group_size, bits=self.bits)
+        return y.astype(x.dtype)
+
+
+class QuantizedEmbedding(QuantizedLinear):
+    """Token embedding [V, H] in block format; `as_linear` is the tied output head."""
+
+    def __init__(self, num_embeddings: int, dims: int, bits: int, dtype=mx.bfloat16):
+        super().__init__(dims, num_embeddings, bits)
+        self.dtype = dtype
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        w = mx.dequantize(self.weight[tokens], self.scales[tokens], self.biases[tokens],
+                          group_size=self.group_size, bits=self.bits)
+        return w.astype(self.dtype)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return QuantizedLinear.__call__(self, x)
+
+
+def quantized_experts(num_experts: int, in_dims: int, out_dims: int, bits: int) -> dict:
+    """Parameter placeholders of a quantized ExpertLinear (weight/scales/biases [E, out, ...])."""
+    return dict(
+        weight=mx.zeros((num_experts, out_dims, in_dims * bits // 32), mx.uint32),
+        scales=mx.zeros((num_experts, out_dims, in_dims // GROUP_SIZE), mx.float32),
+        biases=mx.zeros((num_experts, out_dims, in_dims // GROUP_SIZE), mx.float32),
+    )
