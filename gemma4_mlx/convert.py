@@ -278,8 +278,9 @@ def gguf_metadata(hf_dir: Path, cfg: ModelConfig, tokenizer_md: dict[str, Any], 
     md["general.quantization_version"], ty["general.quantization_version"] = QUANTIZATION_VERSION, 4
     md.update(md_model)
     ty.update(ty_model)
-    md.update(tokenizer_md)
-    ty.update(tokenizer_ty)
+    for key, value in tokenizer_md.items():
+        if value is not None:
+            md[key], ty[key] = value, tokenizer_ty[key]
     return md, ty
 
 
