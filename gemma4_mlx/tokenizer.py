@@ -285,6 +285,14 @@ def _pick_sentinels(*values: Any) -> tuple[str, str]:
         return next(free), next(free)
 
 
+def _marks_consistent(marked: str, rendered: str, open_mark: str, close_mark: str) -> bool:
+    """True if removing the marks gives the plain rendering and the marks alternate open, close, open, ..."""
+    if marked.replace(open_mark, "").replace(close_mark, "") != rendered:
+        return False
+    marks = "".join(ch for ch in marked if ch == open_mark or ch == close_mark)
+    return marks == (open_mark + close_mark) * (len(marks) // 2) and len(marks) % 2 == 0
+
+
 class _Marker:
     """Wraps conversation text in sentinels: leading/trailing whitespace stays outside, so `| trim` still works."""
 
@@ -711,25 +719,28 @@ class Tokenizer:
         for strip_model_thoughts in (False, True):
             marker = _Marker(open_mark, close_mark, strip_model_thoughts)
             marked = template.render(messages=[marker.message(m) for m in messages], **variables)
-            if marked.replace(open_mark, "").replace(close_mark, "") == rendered:
+            if _marks_consistent(marked, rendered, open_mark, close_mark):
                 break
         else:
             warnings.warn("the chat template renders marked message text differently from the plain text "
-                          "(it inspects content characters); token ids follow the marked rendering",
-                          stacklevel=2)
+                          "(it inspects content characters or cuts contents); token ids follow the marked "
+                          "rendering", stacklevel=2)
         return self._encode_pieces(self._split_marked(marked, open_mark, close_mark))
 
     def _split_marked(self, text: str, open_mark: str, close_mark: str) -> list[str | int]:
-        """Rendered text with sentinel-marked conversation spans -> pieces; specials matched only outside."""
+        """Rendered text with sentinel-marked conversation spans -> pieces; specials matched only outside.
+
+        A span runs from an open mark to the next close mark (an open mark whose close the template cut off
+        extends the span to the next mark of either kind, so uncertain text is treated as conversation text)."""
         pieces: list[str | int] = []
-        depth = 0
+        inside = False
         for part in re.split(f"({re.escape(open_mark)}|{re.escape(close_mark)})", text):
             if part == open_mark:
-                depth += 1
+                inside = True
             elif part == close_mark:
-                depth = max(0, depth - 1)
+                inside = False
             elif part:
-                pieces.extend([part] if depth else self._split_specials(part))
+                pieces.extend([part] if inside else self._split_specials(part))
         return pieces
 
     def __repr__(self) -> str:
