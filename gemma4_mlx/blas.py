@@ -35,14 +35,12 @@ This module imports only the standard library at top level (it must run before `
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import glob
 import hashlib
 import json
 import os
 import struct
-import subprocess
 import sys
 import warnings
 
@@ -248,8 +246,13 @@ def _mlx_gpu_build() -> bool:
     """True when the installed MLX is a CUDA build (distribution mlx-cuda*)."""
     import importlib.metadata as md
 
-    names = {(d.metadata["Name"] or "").lower() for d in md.distributions()}
-    return any(n.startswith("mlx-cuda") or n.startswith("mlx_cuda") for n in names)
+    for name in ("mlx-cuda-13", "mlx-cuda-12", "mlx-cuda"):
+        try:
+            md.distribution(name)
+            return True
+        except md.PackageNotFoundError:
+            pass
+    return False
 
 
 def _mlx_cpu_blas_in_use() -> bool:
@@ -273,18 +276,12 @@ def _find_mkl() -> str | None:
 
 def _find_openblas() -> str | None:
     """A system OpenBLAS exporting cblas_sgemm (pthread or openmp build), or None."""
-    for name in ("openblas", "openblasp"):
-        lib = ctypes.util.find_library(name)
-        if lib:
-            for d in _OPENBLAS_DIRS:
-                if os.path.exists(os.path.join(d, lib)):
-                    return os.path.join(d, lib)
     for d in _OPENBLAS_DIRS:
         for name in _OPENBLAS_NAMES:
             path = os.path.join(d, name)
             if os.path.exists(path):
                 return path
-    hits = sorted(glob.glob("/usr/lib/*/openblas-*/libopenblas.so.0"))
+    hits = sorted(glob.glob("/usr/lib/*/openblas*/libopenblas*.so.0"))
     return hits[0] if hits else None
 
 
@@ -354,6 +351,8 @@ def _verified_in_child(path: str) -> dict:
         cache = {}
     if key in cache and isinstance(cache[key], dict):
         return cache[key]
+    import subprocess
+
     env = dict(os.environ, **{ENV_VAR: "off"})
     try:
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--verify", path],
