@@ -131,14 +131,15 @@ def describe() -> str:
 def cpu_compute_dtype():
     """Dtype for dense (unquantized) matmuls on MLX's CPU backend.
 
-    Returns ``mx.float32`` when a fast BLAS is active and verified, else ``mx.bfloat16``.
+    Returns ``mx.float32`` when a fast BLAS is active and verified (or on macOS, whose MLX CPU
+    backend links Accelerate), else ``mx.bfloat16``.
     Measured with bench/cpu_matmul.py (2-core EPYC, MLX 0.32.4, 512x1536 @ 1536x6144): f32 through
     OpenBLAS/MKL runs at ~100-130 GFLOP/s, bf16 (MLX's own kernel, no BLAS) at ~6 GFLOP/s, f32
     through the bundled reference BLAS at ~3-4 GFLOP/s; at M = 1 f32 + MKL reads ~20 GB/s against
     ~2 GB/s for bf16. Only for the CPU device: GPU backends keep bf16 activations."""
     import mlx.core as mx
 
-    return mx.float32 if active()["verified"] else mx.bfloat16
+    return mx.float32 if sys.platform == "darwin" or active()["verified"] else mx.bfloat16
 
 
 def quantized_matmul_strategy(rows: int) -> str:
