@@ -1,0 +1,120 @@
+"""Compile C++ to shared libraries with the system compiler, cached by content hash.
+
+The cache directory is ``$METAL_EMULATOR_CACHE`` if set, else ``<tmp>/metal_emulator_<uid>``.
+A library's file name is the SHA-256 of its source text, the compiler flags, the compiler's
+version and every file of the shim, so editing any of them rebuilds. Writes are atomic
+(temporary file + rename), so concurrent test processes can share the cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+INCLUDE_DIR = PACKAGE_DIR / "include"
+RUNTIME_SOURCE = PACKAGE_DIR / "runtime" / "emu_runtime.cpp"
+
+KERNEL_FLAGS = (
+    "-std=c++17", "-O1", "-shared", "-fPIC",
+    "-fwrapv", "-fno-strict-aliasing", "-ffp-contract=off", "-fno-fast-math",
+    "-ftrivial-auto-var-init=pattern",          # uninitialized locals are garbage, not zero
+    "-fsanitize=bounds", "-fsanitize-undefined-trap-on-error",  # fixed-size array index checks
+    "-Werror=attributes",                        # an unknown Metal attribute is an error
+    "-Wno-unknown-pragmas", "-Wno-literal-suffix",
+    "-U_FORTIFY_SOURCE",
+)  # fmt: skip
+RUNTIME_FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC", "-U_FORTIFY_SOURCE", "-Wall")
+
+
+class BuildError(Exception):
+    """The compiler rejected a source; ``stderr`` holds its diagnostics."""
+
+    def __init__(self, stderr: str, source_path: Path):
+        super().__init__(stderr)
+        self.stderr = stderr
+        self.source_path = source_path
+
+
+def compiler() -> str:
+    """The C++ compiler: ``$CXX`` or g++. Raises RuntimeError when none is installed."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"the Metal emulator needs a C++17 compiler; '{cxx}' was not found")
+    return cxx
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_identity(cxx: str) -> str:
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+
+
+@functools.lru_cache(maxsize=None)
+def _shim_digest() -> str:
+    h = hashlib.sha256()
+    for p in sorted(INCLUDE_DIR.iterdir()):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def cache_dir() -> Path:
+    """Directory for compiled libraries (created on demand)."""
+    d = os.environ.get("METAL_EMULATOR_CACHE")
+    path = Path(d) if d else Path(tempfile.gettempdir()) / f"metal_emulator_{os.getuid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def build(source: str, tag: str, flags: tuple[str, ...] = KERNEL_FLAGS) -> Path:
+    """Compile ``source`` into a shared library (or reuse the cached one) and return its path.
+
+    Raises BuildError with the compiler's diagnostics when compilation fails.
+    """
+    cxx = compiler()
+    h = hashlib.sha256()
+    for part in (source, " ".join(flags), _compiler_identity(cxx), _shim_digest()):
+        h.update(part.encode())
+        h.update(b"\0")
+    key = h.hexdigest()[:24]
+    safe_tag = "".join(c if c.isalnum() or c in "_-" else "_" for c in tag)[:60]
+    out = cache_dir() / f"{safe_tag}-{key}.so"
+    src = out.with_suffix(".cpp")
+    if out.exists():
+        return out
+    tmp_src = src.with_name(f"{src.stem}.{os.getpid()}.tmp.cpp")
+    tmp_out = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")
+    tmp_src.write_text(source)
+    cmd = [cxx, *flags, f"-I{INCLUDE_DIR}", str(tmp_src), "-o", str(tmp_out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    os.replace(tmp_src, src)
+    if proc.returncode != 0:
+        tmp_out.unlink(missing_ok=True)
+        raise BuildError(proc.stderr.replace(str(tmp_src), str(src)), src)
+    os.replace(tmp_out, out)
+    return out
+
+
+_loaded: dict[Path, ctypes.CDLL] = {}
+
+
+def load(path: Path, global_symbols: bool = False) -> ctypes.CDLL:
+    """Load (once) a shared library built by ``build``."""
+    lib = _loaded.get(path)
+    if lib is None:
+        mode = ctypes.RTLD_GLOBAL if global_symbols else ctypes.RTLD_LOCAL
+        lib = ctypes.CDLL(str(path), mode=mode)
+        _loaded[path] = lib
+    return lib
+
+
+def runtime_library() -> ctypes.CDLL:
+    """The emulator runtime (scheduler, buffers, fault handling), built and loaded globally."""
+    path = build(RUNTIME_SOURCE.read_text(), "emu_runtime", RUNTIME_FLAGS + (f"-I{INCLUDE_DIR}",))
+    return load(path, global_symbols=True)
