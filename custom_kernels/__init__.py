@@ -1,1 +1,99 @@
-"""Custom MLX kernels for Gemma 4 (Metal and CUDA from one source, pure-MLX references on CPU)."""
+"""Custom MLX kernels for Gemma 4 (Metal and CUDA from one source, pure-MLX references on CPU).
+
+Backend selection and the kernel-object cache live here; each op family is one module
+(e.g. ``custom_kernels.quant_matvec``) holding its pure-MLX reference, the kernel body written
+once in the shared dialect (``custom_kernels.dialect``), and one dispatch function per op.
+
+- ``backend()``: "metal", "cuda" or "cpu" — which kernel dialect this MLX build can run.
+- ``use_reference()``: True when ops must run their pure-MLX reference (CPU builds, or the
+  environment variable ``GEMMA4_MLX_KERNELS=reference``).
+- ``get_kernel(name, ...)``: the ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` object for one
+  kernel source, built on first use and cached. Nothing is built at import time: constructing a
+  ``cuda_kernel`` raises on builds without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import mlx.core as mx
+
+__all__ = ["backend", "use_reference", "get_kernel", "clear_kernel_cache", "KERNELS_ENV"]
+
+KERNELS_ENV = "GEMMA4_MLX_KERNELS"
+"""Environment variable: ``reference`` forces the pure-MLX references even on a GPU build."""
+
+_kernel_cache: dict[tuple, Callable] = {}
+
+
+def backend() -> str:
+    """The GPU dialect this MLX build runs: "metal", "cuda", or "cpu" when there is no GPU backend."""
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def use_reference() -> bool:
+    """True when ops must use their pure-MLX reference instead of a custom kernel.
+
+    That is the case on CPU-only builds and whenever ``GEMMA4_MLX_KERNELS=reference`` is set
+    (read on every call, so tests and benchmarks can switch it at run time).
+    """
+    mode = os.environ.get(KERNELS_ENV, "").strip().lower()
+    if mode not in ("", "auto", "kernel", "kernels", "reference"):
+        raise ValueError(f"{KERNELS_ENV}={mode!r}: expected 'reference' or unset")
+    return mode == "reference" or backend() == "cpu"
+
+
+def get_kernel(
+    name: str,
+    input_names: tuple[str, ...],
+    output_names: tuple[str, ...],
+    metal: tuple[str, str],
+    cuda: tuple[str, str],
+    *,
+    cuda_shared_memory: int = 0,
+) -> Callable:
+    """The MLX custom-kernel object for one kernel source on the current backend, cached.
+
+    ``metal`` and ``cuda`` are (header, source) pairs exactly as passed to
+    ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``. Template instantiations (dtype and
+    integer constants) are compiled and cached by MLX per call signature, so one object serves
+    every (dtype, constants) combination of this source. Raises RuntimeError on a CPU build.
+    """
+    which = backend()
+    header, source = metal if which == "metal" else cuda
+    key = (which, name, input_names, output_names, header, source, cuda_shared_memory)
+    kernel = _kernel_cache.get(key)
+    if kernel is not None:
+        return kernel
+    if which == "metal":
+        kernel = mx.fast.metal_kernel(
+            name=name,
+            input_names=list(input_names),
+            output_names=list(output_names),
+            source=source,
+            header=header,
+        )
+    elif which == "cuda":
+        kernel = mx.fast.cuda_kernel(
+            name=name,
+            input_names=list(input_names),
+            output_names=list(output_names),
+            source=source,
+            header=header,
+            shared_memory=cuda_shared_memory,
+        )
+    else:
+        raise RuntimeError(f"custom kernel {name!r} requested on a CPU-only MLX build")
+    _kernel_cache[key] = kernel
+    return kernel
+
+
+def clear_kernel_cache() -> None:
+    """Forget every cached kernel object (MLX keeps its own compiled libraries)."""
+    _kernel_cache.clear()

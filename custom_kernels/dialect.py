@@ -1,0 +1,200 @@
+"""One kernel body, two dialects: emit Metal and CUDA text for MLX custom kernels.
+
+A kernel body is written once, in MLX's custom-kernel style (the function body only; MLX writes
+the signature), using two kinds of portable names:
+
+1. ``$name`` placeholders, replaced here by text (so the emitted source reads like hand-written
+   Metal or CUDA, and so Metal attribute names appear literally in the body, which is how
+   ``mx.fast.metal_kernel`` decides which attributes to pass):
+
+   ============== =========================================== ===============================
+   placeholder    Metal                                       CUDA
+   ============== =========================================== ===============================
+   $lane          (int)thread_index_in_simdgroup              (int)(threadIdx.x & 31u)
+   $simd          (int)simdgroup_index_in_threadgroup         (int)(threadIdx.x >> 5)
+   $tid           (int)thread_position_in_threadgroup.x       (int)threadIdx.x
+   $tg_x/$tg_y/.. (int)threadgroup_position_in_grid.x/y/z     (int)blockIdx.x/y/z
+   $device        device                                      (nothing)
+   $thread        thread                                      (nothing)
+   $shared        threadgroup                                 __shared__
+   $barrier       threadgroup_barrier(mem_flags::...)         __syncthreads()
+   $simd_barrier  simdgroup_barrier(mem_flags::mem_none)      __syncwarp()
+   $unroll        _Pragma("clang loop unroll(full)")          _Pragma("unroll")
+   ============== =========================================== ===============================
+
+   Threadgroups are one-dimensional (x) and SIMD groups are 32 lanes on both backends.
+
+2. ``g4_*`` helper functions with the same names and meaning in both preludes (see PRELUDE_*):
+   SIMD reductions and shuffles, bit casts, fp16/bf16 bit conversions, vector loads of
+   activations into f32 registers (overloaded on float / bfloat16 / float16 pointers), 16-bit
+   weight loads, and gelu_tanh.
+
+The header passed to MLX is ``prelude(dialect)`` plus any kernel-specific helpers. Template
+arguments (``T``, integer and bool constants) are used as plain identifiers: MLX makes them C++
+template parameters on Metal and ``using``/``constexpr`` lines at the top of the body on CUDA.
+Inputs are ``const T*`` on CUDA and ``const device T*`` on Metal (``constant`` below 8 elements,
+so index small inputs directly rather than binding them to ``$device`` pointers).
+"""
+
+from __future__ import annotations
+
+import re
+
+DIALECTS = ("metal", "cuda")
+
+_PLACEHOLDERS: dict[str, dict[str, str]] = {
+    "lane": {"metal": "(int)thread_index_in_simdgroup", "cuda": "(int)(threadIdx.x & 31u)"},
+    "simd": {"metal": "(int)simdgroup_index_in_threadgroup", "cuda": "(int)(threadIdx.x >> 5)"},
+    "tid": {"metal": "(int)thread_position_in_threadgroup.x", "cuda": "(int)threadIdx.x"},
+    "tg_x": {"metal": "(int)threadgroup_position_in_grid.x", "cuda": "(int)blockIdx.x"},
+    "tg_y": {"metal": "(int)threadgroup_position_in_grid.y", "cuda": "(int)blockIdx.y"},
+    "tg_z": {"metal": "(int)threadgroup_position_in_grid.z", "cuda": "(int)blockIdx.z"},
+    "device": {"metal": "device", "cuda": ""},
+    "thread": {"metal": "thread", "cuda": ""},
+    "shared": {"metal": "threadgroup", "cuda": "__shared__"},
+    "barrier": {
+        "metal": "threadgroup_barrier(mem_flags::mem_threadgroup)",
+        "cuda": "__syncthreads()",
+    },
+    "simd_barrier": {"metal": "simdgroup_barrier(mem_flags::mem_none)", "cuda": "__syncwarp()"},
+    "unroll": {"metal": '_Pragma("clang loop unroll(full)")', "cuda": '_Pragma("unroll")'},
+}
+
+_PLACEHOLDER_RE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
+
+PRELUDE_METAL = r"""
+#include <metal_stdlib>
+#include <metal_simdgroup>
+using namespace metal;
+
+// gemma4-mlx dialect prelude (Metal)
+static inline float g4_simd_sum(float v) { return simd_sum(v); }
+static inline float g4_simd_max(float v) { return simd_max(v); }
+static inline float g4_shuffle_xor(float v, int mask) { return simd_shuffle_xor(v, (ushort)mask); }
+static inline float g4_as_float(uint32_t bits) { return as_type<float>(bits); }
+static inline float g4_nan() { return as_type<float>(0x7fc00000u); }
+static inline uint32_t g4_as_uint(float v) { return as_type<uint32_t>(v); }
+static inline float g4_half_bits(uint32_t bits) { return float(as_type<half>((ushort)bits)); }
+static inline float g4_bf16_bits(uint32_t bits) { return as_type<float>(bits << 16); }
+static inline uint32_t g4_u16(const device uint8_t* p) { return (uint32_t)(*((const device ushort*)p)); }
+static inline float g4_gelu_tanh(float v) {
+  return 0.5f * v * (1.0f + metal::precise::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+}
+static inline void g4_load2(const device float* p, thread float* o) {
+  float2 a = *((const device float2*)p); o[0] = a.x; o[1] = a.y;
+}
+static inline void g4_load4(const device float* p, thread float* o) {
+  float4 a = *((const device float4*)p); o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+}
+static inline void g4_load2(const device bfloat16_t* p, thread float* o) {
+  uint32_t a = *((const device uint32_t*)p);
+  o[0] = as_type<float>(a << 16); o[1] = as_type<float>(a & 0xffff0000u);
+}
+static inline void g4_load4(const device bfloat16_t* p, thread float* o) {
+  uint2 a = *((const device uint2*)p);
+  o[0] = as_type<float>(a.x << 16); o[1] = as_type<float>(a.x & 0xffff0000u);
+  o[2] = as_type<float>(a.y << 16); o[3] = as_type<float>(a.y & 0xffff0000u);
+}
+static inline void g4_load2(const device half* p, thread float* o) {
+  half2 a = *((const device half2*)p); o[0] = float(a.x); o[1] = float(a.y);
+}
+static inline void g4_load4(const device half* p, thread float* o) {
+  half4 a = *((const device half4*)p);
+  o[0] = float(a.x); o[1] = float(a.y); o[2] = float(a.z); o[3] = float(a.w);
+}
+"""
+
+PRELUDE_CUDA = r"""
+// gemma4-mlx dialect prelude (CUDA; MLX already includes cuda_fp16.h, cuda_bf16.h, cooperative_groups)
+__device__ __forceinline__ float g4_simd_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float g4_simd_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float g4_shuffle_xor(float v, int mask) {
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+}
+__device__ __forceinline__ float g4_as_float(uint32_t bits) { return __uint_as_float(bits); }
+__device__ __forceinline__ float g4_nan() { return __uint_as_float(0x7fc00000u); }
+__device__ __forceinline__ uint32_t g4_as_uint(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ float g4_half_bits(uint32_t bits) {
+  return __half2float(__ushort_as_half((unsigned short)bits));
+}
+__device__ __forceinline__ float g4_bf16_bits(uint32_t bits) { return __uint_as_float(bits << 16); }
+__device__ __forceinline__ uint32_t g4_u16(const uint8_t* p) {
+  return (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p));
+}
+__device__ __forceinline__ float g4_gelu_tanh(float v) {
+  return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+}
+__device__ __forceinline__ void g4_load2(const float* p, float* o) {
+  float2 a = __ldg(reinterpret_cast<const float2*>(p)); o[0] = a.x; o[1] = a.y;
+}
+__device__ __forceinline__ void g4_load4(const float* p, float* o) {
+  float4 a = __ldg(reinterpret_cast<const float4*>(p)); o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+}
+__device__ __forceinline__ void g4_load2(const __nv_bfloat16* p, float* o) {
+  uint32_t a = __ldg(reinterpret_cast<const unsigned int*>(p));
+  o[0] = __uint_as_float(a << 16); o[1] = __uint_as_float(a & 0xffff0000u);
+}
+__device__ __forceinline__ void g4_load4(const __nv_bfloat16* p, float* o) {
+  uint2 a = __ldg(reinterpret_cast<const uint2*>(p));
+  o[0] = __uint_as_float(a.x << 16); o[1] = __uint_as_float(a.x & 0xffff0000u);
+  o[2] = __uint_as_float(a.y << 16); o[3] = __uint_as_float(a.y & 0xffff0000u);
+}
+__device__ __forceinline__ void g4_load2(const __half* p, float* o) {
+  float2 a = __half22float2(*reinterpret_cast<const __half2*>(p)); o[0] = a.x; o[1] = a.y;
+}
+__device__ __forceinline__ void g4_load4(const __half* p, float* o) {
+  const __half2* h = reinterpret_cast<const __half2*>(p);
+  float2 a = __half22float2(h[0]); float2 b = __half22float2(h[1]);
+  o[0] = a.x; o[1] = a.y; o[2] = b.x; o[3] = b.y;
+}
+"""
+
+_PRELUDES = {"metal": PRELUDE_METAL, "cuda": PRELUDE_CUDA}
+
+
+def _check(dialect: str) -> None:
+    if dialect not in DIALECTS:
+        raise ValueError(f"unknown dialect {dialect!r}; expected one of {DIALECTS}")
+
+
+def placeholders() -> tuple[str, ...]:
+    """Names usable as ``$name`` in a kernel body."""
+    return tuple(_PLACEHOLDERS)
+
+
+def render(text: str, dialect: str) -> str:
+    """Replace every ``$name`` placeholder in ``text`` with its ``dialect`` spelling.
+
+    Raises KeyError on an unknown placeholder, so a typo cannot reach a GPU compiler.
+    """
+    _check(dialect)
+
+    def sub(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in _PLACEHOLDERS:
+            raise KeyError(f"unknown dialect placeholder ${name}")
+        return _PLACEHOLDERS[name][dialect]
+
+    return _PLACEHOLDER_RE.sub(sub, text)
+
+
+def prelude(dialect: str) -> str:
+    """The shared helper functions (``g4_*``) for ``dialect``; goes first in every kernel header."""
+    _check(dialect)
+    return _PRELUDES[dialect]
+
+
+def header(dialect: str, extra: str = "") -> str:
+    """Kernel header for ``dialect``: the prelude, then ``extra`` (rendered) helper code."""
+    return prelude(dialect) + (render(extra, dialect) if extra else "")
+
+
+def emit(body: str, extra_header: str = "") -> dict[str, tuple[str, str]]:
+    """Both dialects of one kernel: {"metal": (header, source), "cuda": (header, source)}."""
+    return {d: (header(d, extra_header), render(body, d)) for d in DIALECTS}

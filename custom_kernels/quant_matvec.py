@@ -1,0 +1,883 @@
+"""Fused dequantize x matrix-vector products on raw GGUF blocks (Q4_0, Q8_0, Q6_K), M = 1..8.
+
+Weights are the GGUF bytes as stored, a uint8 array per tensor, never requantized:
+
+- Q4_0: 18-byte blocks of 32 weights: fp16 ``d``, then 16 bytes; weight j < 16 is the low nibble
+  of byte j, weight j + 16 its high nibble; value ``d * (q - 8)``.
+- Q8_0: 34-byte blocks of 32 weights: fp16 ``d``, then 32 int8; value ``d * q``.
+- Q6_K: 210-byte super-blocks of 256 weights (ql[128], qh[64], int8 scales[16], fp16 d);
+  value ``d * scale * (q - 32)`` (gemma4-spec.md §8.3).
+
+A PyTorch-layout weight [N, K] is ``blocks`` uint8 [N, K // 32 * 18] (Q4_0), [N, K // 32 * 34]
+(Q8_0) or [N, K // 256 * 210] (Q6_K); expert stacks add a leading E axis.
+
+Ops (activations bf16, f32 or f16; output dtype = activation dtype; f32 accumulation):
+
+- ``q4_0_matvec(x, blocks, n)``, ``q8_0_matvec``, ``q6_k_matvec``: x [..., K] -> [..., N].
+- ``q4_0_matvec_gather(x, ids, blocks, n)``, ``q8_0_matvec_gather``: experts; x [M, K] (every
+  slot reads its token's row) or [M, k, K] (one row per slot, e.g. the down projection),
+  ids int32 [M, k], blocks [E, N, ...] -> [M, k, N].
+- ``q4_0_gate_up_gather(x, ids, blocks, f)``, ``q8_0_gate_up_gather``: x [M, K], blocks
+  [E, 2F, ...] whose rows 0..F-1 are gate and F..2F-1 up (``ffn_gate_up_exps``) ->
+  gelu_tanh(gate) * up, [M, k, F], computed in f32 and rounded once.
+- ``quant_matvec(x, blocks, ggml_type, n)``: the dense op chosen by GGML type id (2, 8, 14).
+
+On a GPU build with at most 8 activation rows these run the custom kernel; on CPU, for M > 8, or
+with ``GEMMA4_MLX_KERNELS=reference`` they run the pure-MLX reference (dequantize to f32, matmul,
+cast), which is also the test oracle's twin. The CPU model path may prefer the lossless MLX-affine
+mapping with ``mx.quantized_matmul`` (gemma4_mlx.quants) for memory; that choice belongs to the
+caller.
+
+Kernel design (one body for Metal and CUDA, see custom_kernels.dialect): a threadgroup is NSG SIMD
+groups of 32 lanes; each SIMD group owns R consecutive output rows (four rows per SIMD group won on
+Metal, seed 000 K2). Lanes split each 32-weight block LPB ways (LPB = lanes per block), so one
+SIMD-group iteration covers 32 / LPB consecutive blocks of all R rows: the lane loads its share of
+the activations for all M rows once into registers and reuses them for the R rows; weights are
+read with 16-bit loads (blocks are only 2-byte aligned) and converted to f32 exactly with the
+2^23 magic-number trick (no int->float conversion instructions). Per block the lane accumulates
+sum_j (q_j - 8) x_j in f32 and adds d times that to its f32 accumulator; a SIMD-group sum reduces
+the lanes at the end. Rows past N are skipped, so any N works; K must be a multiple of 32
+(256 for Q6_K).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from . import backend, get_kernel, use_reference
+from .dialect import emit
+
+__all__ = [
+    "Q4_0",
+    "Q8_0",
+    "Q6_K",
+    "MAX_ROWS",
+    "q4_0_matvec",
+    "q8_0_matvec",
+    "q6_k_matvec",
+    "quant_matvec",
+    "q4_0_matvec_gather",
+    "q8_0_matvec_gather",
+    "q4_0_gate_up_gather",
+    "q8_0_gate_up_gather",
+    "dequantize",
+    "matvec_reference",
+    "matvec_gather_reference",
+    "gate_up_gather_reference",
+    "gelu_tanh",
+    "KernelConfig",
+    "kernel_specs",
+]
+
+Q4_0 = 2
+Q8_0 = 8
+Q6_K = 14
+MAX_ROWS = 8
+"""Largest number of activation rows (M) the matvec kernels take; larger M uses the reference."""
+
+
+@dataclass(frozen=True)
+class _Format:
+    name: str
+    ggml_type: int
+    block_weights: int  # weights per block
+    block_bytes: int  # bytes per block
+
+
+_FORMATS = {
+    Q4_0: _Format("q4_0", Q4_0, 32, 18),
+    Q8_0: _Format("q8_0", Q8_0, 32, 34),
+    Q6_K: _Format("q6_k", Q6_K, 256, 210),
+}
+
+
+def _fmt(ggml_type: int) -> _Format:
+    if ggml_type not in _FORMATS:
+        raise ValueError(f"unsupported GGML type {ggml_type}; expected Q4_0 (2), Q8_0 (8) or Q6_K (14)")
+    return _FORMATS[ggml_type]
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    """Bytes of one weight row of ``k`` weights in ``ggml_type``."""
+    f = _fmt(ggml_type)
+    if k % f.block_weights:
+        raise ValueError(f"{f.name}: K={k} is not a multiple of {f.block_weights}")
+    return k // f.block_weights * f.block_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# Pure-MLX references
+# --------------------------------------------------------------------------------------------
+
+
+def _f16_from_bytes(lo: mx.array, hi: mx.array) -> mx.array:
+    bits = lo.astype(mx.uint16) | (hi.astype(mx.uint16) << 8)
+    return mx.view(bits, mx.float16).astype(mx.float32)
+
+
+def _int8_from_bytes(b: mx.array) -> mx.array:
+    v = b.astype(mx.int16)
+    return mx.where(v > 127, v - 256, v).astype(mx.float32)
+
+
+def dequantize(blocks: mx.array, ggml_type: int, k: int) -> mx.array:
+    """Raw GGUF blocks uint8 [..., K // bw * bb] -> float32 [..., K] (exact for Q4_0/Q8_0)."""
+    f = _fmt(ggml_type)
+    lead = blocks.shape[:-1]
+    if blocks.dtype != mx.uint8 or blocks.shape[-1] != row_bytes(ggml_type, k):
+        raise ValueError(
+            f"{f.name}: expected uint8 blocks [..., {row_bytes(ggml_type, k)}] for K={k}, "
+            f"got {blocks.dtype} {blocks.shape}"
+        )
+    nb = k // f.block_weights
+    b = blocks.reshape(*lead, nb, f.block_bytes)
+    if ggml_type == Q4_0:
+        d = _f16_from_bytes(b[..., 0], b[..., 1])
+        qs = b[..., 2:]
+        q = mx.concatenate([qs & 15, qs >> 4], axis=-1).astype(mx.float32) - 8.0
+        w = q * d[..., None]
+    elif ggml_type == Q8_0:
+        d = _f16_from_bytes(b[..., 0], b[..., 1])
+        w = _int8_from_bytes(b[..., 2:]) * d[..., None]
+    else:  # Q6_K
+        ql = b[..., 0:128].astype(mx.uint32)
+        qh = b[..., 128:192].astype(mx.uint32)
+        sc = _int8_from_bytes(b[..., 192:208])
+        d = _f16_from_bytes(b[..., 208], b[..., 209])
+        halves = []
+        for h in range(2):
+            l_lo = ql[..., 64 * h : 64 * h + 32]
+            l_hi = ql[..., 64 * h + 32 : 64 * h + 64]
+            hbits = qh[..., 32 * h : 32 * h + 32]
+            low4 = [l_lo & 15, l_hi & 15, l_lo >> 4, l_hi >> 4]
+            for j in range(4):
+                q = (low4[j] | (((hbits >> (2 * j)) & 3) << 4)).astype(mx.float32) - 32.0
+                s = mx.repeat(sc[..., 8 * h + 2 * j : 8 * h + 2 * j + 2], 16, axis=-1)
+                halves.append(q * s)
+        w = mx.concatenate(halves, axis=-1) * d[..., None]
+    return w.reshape(*lead, k)
+
+
+def gelu_tanh(v: mx.array) -> mx.array:
+    """0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3))), Gemma's GeGLU activation."""
+    return 0.5 * v * (1.0 + mx.tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)))
+
+
+def _infer_k(blocks: mx.array, ggml_type: int) -> int:
+    f = _fmt(ggml_type)
+    if blocks.shape[-1] % f.block_bytes:
+        raise ValueError(f"{f.name}: row of {blocks.shape[-1]} bytes is not whole blocks")
+    return blocks.shape[-1] // f.block_bytes * f.block_weights
+
+
+def matvec_reference(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.array:
+    """Reference: x [..., K] @ dequantize(blocks [N, ...]).T in f32, cast to x.dtype -> [..., N]."""
+    k = _check_dense(x, blocks, ggml_type, n)
+    w = dequantize(blocks, ggml_type, k)
+    return (x.astype(mx.float32) @ w.T).astype(x.dtype)
+
+
+def _gathered_weights(ids: mx.array, blocks: mx.array, ggml_type: int, k: int) -> mx.array:
+    return dequantize(mx.take(blocks, ids, axis=0), ggml_type, k)  # [M, k, N, K] f32
+
+
+def _slot_rows(x: mx.array, ids: mx.array) -> mx.array:
+    """Activation row of every (token, slot): [M, k, K] f32."""
+    xf = x.astype(mx.float32)
+    if x.ndim == 3:
+        return xf
+    return mx.broadcast_to(xf[:, None, :], (ids.shape[0], ids.shape[1], x.shape[-1]))
+
+
+def matvec_gather_reference(
+    x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, n: int
+) -> mx.array:
+    """Reference for expert-gathered matvec: out[m, s] = W[ids[m, s]] @ x[m] (or x[m, s]) -> [M, k, N]."""
+    k = _check_gather(x, ids, blocks, ggml_type, n)
+    w = _gathered_weights(ids, blocks, ggml_type, k)
+    out = (w @ _slot_rows(x, ids)[..., None])[..., 0]
+    return out.astype(x.dtype)
+
+
+def gate_up_gather_reference(
+    x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, f: int
+) -> mx.array:
+    """Reference for the fused expert gate/up: gelu_tanh(gate) * up in f32 -> [M, k, F], x.dtype."""
+    k = _check_gather(x, ids, blocks, ggml_type, 2 * f)
+    if x.ndim != 2:
+        raise ValueError("gate_up: x must be [M, K] (every slot reads its token's row)")
+    w = _gathered_weights(ids, blocks, ggml_type, k)
+    gu = (w @ _slot_rows(x, ids)[..., None])[..., 0]
+    return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------------------------
+
+_ACT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def _check_dense(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> int:
+    f = _fmt(ggml_type)
+    if x.dtype not in _ACT_DTYPES:
+        raise TypeError(f"activations must be float32/bfloat16/float16, got {x.dtype}")
+    if blocks.dtype != mx.uint8 or blocks.ndim != 2:
+        raise ValueError(f"{f.name}: blocks must be uint8 [N, bytes], got {blocks.dtype} {blocks.shape}")
+    k = x.shape[-1]
+    if blocks.shape != (n, row_bytes(ggml_type, k)):
+        raise ValueError(
+            f"{f.name}: blocks {blocks.shape} do not hold [N={n}, K={k}] "
+            f"(expected {(n, row_bytes(ggml_type, k))})"
+        )
+    return k
+
+
+def _check_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, n: int) -> int:
+    f = _fmt(ggml_type)
+    if x.dtype not in _ACT_DTYPES:
+        raise TypeError(f"activations must be float32/bfloat16/float16, got {x.dtype}")
+    if ids.ndim != 2 or ids.dtype != mx.int32:
+        raise ValueError(f"ids must be int32 [M, k], got {ids.dtype} {ids.shape}")
+    m, slots = ids.shape
+    if x.ndim == 2:
+        if x.shape[0] != m:
+            raise ValueError(f"x {x.shape} and ids {ids.shape} disagree on M")
+    elif x.ndim == 3:
+        if x.shape[:2] != (m, slots):
+            raise ValueError(f"x {x.shape} must be [M, k, K] to match ids {ids.shape}")
+    else:
+        raise ValueError(f"x must be [M, K] or [M, k, K], got {x.shape}")
+    k = x.shape[-1]
+    if blocks.dtype != mx.uint8 or blocks.ndim != 3 or blocks.shape[1:] != (n, row_bytes(ggml_type, k)):
+        raise ValueError(
+            f"{f.name}: expert blocks must be uint8 [E, {n}, {row_bytes(ggml_type, k)}] for K={k}, "
+            f"got {blocks.dtype} {blocks.shape}"
+        )
+    return k
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel bodies (shared dialect: $placeholders and g4_* helpers, see custom_kernels.dialect)
+# --------------------------------------------------------------------------------------------
+
+# Template arguments, per kernel:
+#   T    activation/output dtype          M    activation rows (dense kernels, 1..8)
+#   R    output rows per SIMD group       NSG  SIMD groups per threadgroup
+#   LPB  lanes per 32-weight block (1, 2 or 4; Q4_0/Q8_0 only)
+#   XPP  (gather) 1: x is [M*k, K], one row per (token, slot); 0: x is [M, K]
+
+_SETUP_DENSE = """
+  const int K = x_shape[1];
+  const int N = wq_shape[0];
+  const int row_bytes = wq_shape[1];
+  const $device T* xrow = x;
+  const $device uint8_t* wmat = wq;
+  const int row0 = ($tg_x * NSG + $simd) * R;
+  const bool live = true;
+"""
+
+_SETUP_GATHER = """
+  const int K = x_shape[1];
+  const int n_experts = wq_shape[0];
+  const int N = wq_shape[1];
+  const int row_bytes = wq_shape[2];
+  const int pair = $tg_y;
+  const int expert = ids[pair];
+  const int token = pair / ids_shape[1];
+  const $device T* xrow = x + (size_t)(XPP ? pair : token) * K;
+  const bool live = expert >= 0 && expert < n_experts;
+  const $device uint8_t* wmat = wq + (size_t)(live ? expert : 0) * N * row_bytes;
+  const int row0 = ($tg_x * NSG + $simd) * R;
+"""
+
+_SETUP_GATE_UP = """
+  const int K = x_shape[1];
+  const int n_experts = wq_shape[0];
+  const int F = wq_shape[1] / 2;
+  const int row_bytes = wq_shape[2];
+  const int pair = $tg_y;
+  const int expert = ids[pair];
+  const int token = pair / ids_shape[1];
+  const $device T* xrow = x + (size_t)token * K;
+  const bool live = expert >= 0 && expert < n_experts;
+  const $device uint8_t* wmat = wq + (size_t)(live ? expert : 0) * 2 * F * row_bytes;
+  const int row0 = ($tg_x * NSG + $simd) * R;
+"""
+
+# Accumulator row i of RT -> weight row, and whether it exists.
+_ROWS_PLAIN = """
+  constexpr int RT = R;
+  int wrow[RT];
+  bool wok[RT];
+  $unroll for (int i = 0; i < RT; ++i) { wrow[i] = row0 + i; wok[i] = live && row0 + i < N; }
+"""
+
+_ROWS_GATE_UP = """
+  constexpr int RT = 2 * R;
+  int wrow[RT];
+  bool wok[RT];
+  $unroll for (int i = 0; i < R; ++i) {
+    wrow[i] = row0 + i;          // gate row
+    wrow[R + i] = F + row0 + i;  // the matching up row
+    wok[i] = live && row0 + i < F;
+    wok[R + i] = wok[i];
+  }
+"""
+
+# Q4_0 / Q8_0 main loop. MX = activation rows the SIMD group multiplies (M dense, 1 gathered).
+_LOOP_32 = """
+  constexpr int WPL = 32 / LPB;  // weights per lane per block
+  constexpr int BPI = 32 / LPB;  // blocks per SIMD-group iteration
+  const int lane = $lane;
+  const int part = lane % LPB;
+  const int nblocks = K / 32;
+  float acc[RT][MX];
+  $unroll for (int i = 0; i < RT; ++i) { $unroll for (int m = 0; m < MX; ++m) acc[i][m] = 0.0f; }
+  for (int b = lane / LPB; b < nblocks; b += BPI) {
+    float xv[MX][WPL];
+    $unroll for (int m = 0; m < MX; ++m) {
+@LOAD_X@
+    }
+    $unroll for (int i = 0; i < RT; ++i) {
+      if (wok[i]) {
+        const $device uint8_t* blk = wmat + (size_t)wrow[i] * row_bytes + (size_t)b * @BLOCK_BYTES@;
+        const float d = g4_half_bits(g4_u16(blk));
+        float w[WPL];
+@DECODE@
+        $unroll for (int m = 0; m < MX; ++m) {
+          float p = 0.0f;
+          $unroll for (int j = 0; j < WPL; ++j) p += w[j] * xv[m][j];
+          acc[i][m] += d * p;
+        }
+      }
+    }
+  }
+"""
+
+# Q4_0: the lane's part covers qs bytes [part*QB, part*QB+QB): low nibbles are weights
+# part*QB + j, high nibbles weights 16 + part*QB + j. w[j] / w[QB + j] hold them in that order.
+_LOAD_X_Q4_0 = """
+      {
+        constexpr int QB = WPL / 2;
+        const $device T* xp = xrow + (size_t)m * K + b * 32 + part * QB;
+        $unroll for (int j = 0; j < QB; j += 4) {
+          g4_load4(xp + j, &xv[m][j]);
+          g4_load4(xp + 16 + j, &xv[m][QB + j]);
+        }
+      }"""
+
+_DECODE_Q4_0 = """
+        {
+          constexpr int QB = WPL / 2;
+          const $device uint8_t* qs = blk + 2 + part * QB;
+          $unroll for (int j = 0; j < QB; j += 2) {
+            const uint32_t u = g4_u16(qs + j);
+            w[j] = g4_as_float(0x4B000000u | (u & 15u)) - 8388616.0f;
+            w[j + 1] = g4_as_float(0x4B000000u | ((u >> 8) & 15u)) - 8388616.0f;
+            w[QB + j] = g4_as_float(0x4B000000u | ((u >> 4) & 15u)) - 8388616.0f;
+            w[QB + j + 1] = g4_as_float(0x4B000000u | (u >> 12)) - 8388616.0f;
+          }
+        }"""
+
+# Q8_0: the lane's part covers the WPL consecutive int8 weights part*WPL + j.
+_LOAD_X_Q8_0 = """
+      {
+        const $device T* xp = xrow + (size_t)m * K + b * 32 + part * WPL;
+        $unroll for (int j = 0; j < WPL; j += 4) g4_load4(xp + j, &xv[m][j]);
+      }"""
+
+_DECODE_Q8_0 = """
+        {
+          const $device uint8_t* qs = blk + 2 + part * WPL;
+          $unroll for (int j = 0; j < WPL; j += 2) {
+            const uint32_t u = g4_u16(qs + j);
+            w[j] = g4_as_float(0x4B000000u | ((u & 255u) ^ 128u)) - 8388736.0f;
+            w[j + 1] = g4_as_float(0x4B000000u | ((u >> 8) ^ 128u)) - 8388736.0f;
+          }
+        }"""
+
+# Q6_K: one super-block (256 weights) of all RT rows per SIMD-group iteration. Lane t covers the
+# 8 weights 128*h + 32*j + l0 + {0, 1} (h = t / 16, l0 = 2 * (t % 16), j = 0..3); xv[m][2j + c].
+_LOOP_Q6_K = """
+  const int lane = $lane;
+  const int h = lane / 16;
+  const int l0 = (lane % 16) * 2;
+  const int nsuper = K / 256;
+  float acc[RT][MX];
+  $unroll for (int i = 0; i < RT; ++i) { $unroll for (int m = 0; m < MX; ++m) acc[i][m] = 0.0f; }
+  for (int sb = 0; sb < nsuper; ++sb) {
+    float xv[MX][8];
+    $unroll for (int m = 0; m < MX; ++m) {
+      const $device T* xp = xrow + (size_t)m * K + sb * 256 + 128 * h + l0;
+      $unroll for (int j = 0; j < 4; ++j) g4_load2(xp + 32 * j, &xv[m][2 * j]);
+    }
+    $unroll for (int i = 0; i < RT; ++i) {
+      if (wok[i]) {
+        const $device uint8_t* blk = wmat + (size_t)wrow[i] * row_bytes + (size_t)sb * 210;
+        const uint32_t ql_a = g4_u16(blk + 64 * h + l0);       // j = 0 (low nibbles), 2 (high)
+        const uint32_t ql_b = g4_u16(blk + 64 * h + 32 + l0);  // j = 1 (low nibbles), 3 (high)
+        const uint32_t qh = g4_u16(blk + 128 + 32 * h + l0);
+        const $device uint8_t* scales = blk + 192 + 8 * h + (l0 >> 4);
+        const float d = g4_half_bits(g4_u16(blk + 208));
+        float w[8];
+        float sc[4];
+        $unroll for (int c = 0; c < 2; ++c) {
+          const uint32_t a = (ql_a >> (8 * c)) & 255u;
+          const uint32_t bq = (ql_b >> (8 * c)) & 255u;
+          const uint32_t hb = (qh >> (8 * c)) & 255u;
+          w[0 + c] = g4_as_float(0x4B000000u | (a & 15u) | ((hb & 3u) << 4)) - 8388640.0f;
+          w[2 + c] = g4_as_float(0x4B000000u | (bq & 15u) | (((hb >> 2) & 3u) << 4)) - 8388640.0f;
+          w[4 + c] = g4_as_float(0x4B000000u | (a >> 4) | (((hb >> 4) & 3u) << 4)) - 8388640.0f;
+          w[6 + c] = g4_as_float(0x4B000000u | (bq >> 4) | ((hb >> 6) << 4)) - 8388640.0f;
+        }
+        $unroll for (int j = 0; j < 4; ++j) {
+          sc[j] = g4_as_float(0x4B000000u | ((uint32_t)scales[2 * j] ^ 128u)) - 8388736.0f;
+        }
+        $unroll for (int m = 0; m < MX; ++m) {
+          float p = 0.0f;
+          $unroll for (int j = 0; j < 4; ++j) p += sc[j] * (w[2 * j] * xv[m][2 * j] + w[2 * j + 1] * xv[m][2 * j + 1]);
+          acc[i][m] += d * p;
+        }
+      }
+    }
+  }
+"""
+
+_STORE_DENSE = """
+  $unroll for (int i = 0; i < RT; ++i) {
+    $unroll for (int m = 0; m < MX; ++m) {
+      const float s = g4_simd_sum(acc[i][m]);
+      if (lane == 0 && wok[i]) out[(size_t)m * N + wrow[i]] = static_cast<T>(s);
+    }
+  }
+"""
+
+_STORE_GATHER = """
+  $unroll for (int i = 0; i < RT; ++i) {
+    const float s = g4_simd_sum(acc[i][0]);
+    if (lane == 0 && row0 + i < N) {
+      out[(size_t)pair * N + row0 + i] = static_cast<T>(live ? s : g4_nan());
+    }
+  }
+"""
+
+_STORE_GATE_UP = """
+  $unroll for (int i = 0; i < R; ++i) {
+    const float g = g4_simd_sum(acc[i][0]);
+    const float u = g4_simd_sum(acc[R + i][0]);
+    if (lane == 0 && row0 + i < F) {
+      out[(size_t)pair * F + row0 + i] = static_cast<T>(live ? g4_gelu_tanh(g) * u : g4_nan());
+    }
+  }
+"""
+
+
+@dataclass(frozen=True)
+class _KernelDef:
+    """One kernel source: its name, I/O names, template parameter names and both dialects."""
+
+    name: str
+    kind: str  # "dense" | "gather" | "gate_up"
+    ggml_type: int
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    template_names: tuple[str, ...]
+    text: dict  # {"metal": (header, source), "cuda": (header, source)}
+
+
+def _body(ggml_type: int, kind: str) -> str:
+    setup = {"dense": _SETUP_DENSE, "gather": _SETUP_GATHER, "gate_up": _SETUP_GATE_UP}[kind]
+    rows = _ROWS_GATE_UP if kind == "gate_up" else _ROWS_PLAIN
+    mx_rows = "  constexpr int MX = M;\n" if kind == "dense" else "  constexpr int MX = 1;\n"
+    if ggml_type == Q6_K:
+        loop = _LOOP_Q6_K
+    else:
+        load_x, decode = {Q4_0: (_LOAD_X_Q4_0, _DECODE_Q4_0), Q8_0: (_LOAD_X_Q8_0, _DECODE_Q8_0)}[
+            ggml_type
+        ]
+        loop = (
+            _LOOP_32.replace("@LOAD_X@", load_x.strip("\n"))
+            .replace("@DECODE@", decode.strip("\n"))
+            .replace("@BLOCK_BYTES@", str(_fmt(ggml_type).block_bytes))
+        )
+    store = {"dense": _STORE_DENSE, "gather": _STORE_GATHER, "gate_up": _STORE_GATE_UP}[kind]
+    name = f"{_fmt(ggml_type).name}_{kind}"
+    return f"  // gemma4-mlx {name}: fused dequantize x matvec on raw GGUF blocks\n" + (
+        setup + rows + mx_rows + loop + store
+    )
+
+
+def _make_def(ggml_type: int, kind: str) -> _KernelDef:
+    fmt = _fmt(ggml_type)
+    name = {
+        "dense": f"g4_{fmt.name}_matvec",
+        "gather": f"g4_{fmt.name}_matvec_gather",
+        "gate_up": f"g4_{fmt.name}_gate_up_gather",
+    }[kind]
+    inputs = ("x", "wq") if kind == "dense" else ("x", "ids", "wq")
+    tmpl = ["T"]
+    tmpl += ["M"] if kind == "dense" else []
+    tmpl += ["R", "NSG"]
+    tmpl += [] if ggml_type == Q6_K else ["LPB"]
+    tmpl += ["XPP"] if kind == "gather" else []
+    return _KernelDef(name, kind, ggml_type, inputs, ("out",), tuple(tmpl), emit(_body(ggml_type, kind)))
+
+
+_KERNEL_DEFS: dict[tuple[int, str], _KernelDef] = {}
+
+
+def _kernel_def(ggml_type: int, kind: str) -> _KernelDef:
+    key = (ggml_type, kind)
+    if key not in _KERNEL_DEFS:
+        _KERNEL_DEFS[key] = _make_def(ggml_type, kind)
+    return _KERNEL_DEFS[key]
+
+
+_ALL_KERNELS = ((Q4_0, "dense"), (Q8_0, "dense"), (Q6_K, "dense"), (Q4_0, "gather"),
+                (Q8_0, "gather"), (Q4_0, "gate_up"), (Q8_0, "gate_up"))  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Launch planning (shared by dispatch, tests, the emulator registry and the benchmark)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Geometry of one launch: R rows per SIMD group, NSG SIMD groups per threadgroup, LPB lanes
+    per 32-weight block (ignored for Q6_K)."""
+
+    rows_per_simd: int = 4
+    simd_groups: int = 2
+    lanes_per_block: int = 2
+
+    def __post_init__(self):
+        if self.rows_per_simd < 1 or self.rows_per_simd > 8:
+            raise ValueError("rows_per_simd must be 1..8")
+        if self.simd_groups not in (1, 2, 4, 8):
+            raise ValueError("simd_groups must be 1, 2, 4 or 8")
+        if self.lanes_per_block not in (1, 2, 4):
+            raise ValueError("lanes_per_block must be 1, 2 or 4")
+
+
+def default_config(ggml_type: int, kind: str, m: int, n: int, k: int, pairs: int = 1,
+                   which: str | None = None) -> KernelConfig:  # fmt: skip
+    """The launch geometry used by dispatch (a starting point, to be tuned by bench/kernels.py).
+
+    R = 4 rows per SIMD group (seed 000: four rows per SIMD group won on Metal). Two lanes per
+    block at M <= 4; four at M > 4 or when the row has fewer than 32 blocks (shorter per-lane
+    vectors keep M x weights-per-lane activations in registers and idle fewer lanes on short
+    rows). Threadgroups of 4 warps on CUDA, 2 SIMD groups on Metal, halved while that leaves
+    fewer than 256 threadgroups (small N must still fill the GPU).
+    """
+    which = which or backend()
+    r = 4
+    lpb = 2
+    nblocks = k // 32
+    if ggml_type != Q6_K and (m > 4 or nblocks < 32):
+        lpb = 4
+    nsg = 4 if which == "cuda" else 2
+    rows = n if kind != "gate_up" else n  # gate_up: n is F (rows of gate)
+    while nsg > 1 and math.ceil(rows / (r * nsg)) * pairs < 256:
+        nsg //= 2
+    return KernelConfig(r, nsg, lpb)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything an MLX custom-kernel call needs besides the arrays."""
+
+    template: list  # [(name, dtype name str | int | bool)]
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    output_shape: tuple[int, ...]
+
+
+def plan_launch(ggml_type: int, kind: str, dtype_name: str, m: int, n: int, k: int,
+                slots: int = 1, x_per_pair: bool = False,
+                config: KernelConfig | None = None) -> LaunchPlan:  # fmt: skip
+    """Launch plan for one op. ``n`` is N (dense/gather) or F (gate_up); ``m`` activation rows
+    (tokens); ``slots`` experts per token (gather/gate_up)."""
+    pairs = m * slots if kind != "dense" else 1
+    cfg = config or default_config(ggml_type, kind, m, n, k, pairs)
+    r, nsg, lpb = cfg.rows_per_simd, cfg.simd_groups, cfg.lanes_per_block
+    template: list = [("T", dtype_name)]
+    if kind == "dense":
+        template.append(("M", m))
+    template += [("R", r), ("NSG", nsg)]
+    if ggml_type != Q6_K:
+        template.append(("LPB", lpb))
+    if kind == "gather":
+        template.append(("XPP", int(bool(x_per_pair))))  # an int: MLX spells bools 1/0 on Metal
+    groups = math.ceil(n / (r * nsg))
+    threads = 32 * nsg
+    grid = (groups * threads, pairs, 1)
+    out_shape = (m, n) if kind == "dense" else (m, slots, n)
+    return LaunchPlan(template, grid, (threads, 1, 1), out_shape)
+
+
+_MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    for name, d in _MX_DTYPES.items():
+        if d == dtype:
+            return name
+    raise TypeError(f"unsupported activation dtype {dtype}")
+
+
+def _run(kdef: _KernelDef, inputs: Sequence[mx.array], plan: LaunchPlan, dtype: mx.Dtype,
+         init_value: float | None = None) -> mx.array:  # fmt: skip
+    kernel = get_kernel(kdef.name, kdef.input_names, kdef.output_names, kdef.text["metal"], kdef.text["cuda"])
+    template = [(name, _MX_DTYPES[v] if isinstance(v, str) else v) for name, v in plan.template]
+    (out,) = kernel(
+        inputs=list(inputs),
+        template=template,
+        grid=plan.grid,
+        threadgroup=plan.threadgroup,
+        output_shapes=[plan.output_shape],
+        output_dtypes=[dtype],
+        init_value=init_value,
+    )
+    return out
+
+
+def launch_dense(x2: mx.array, blocks: mx.array, ggml_type: int, n: int,
+                 config: KernelConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
+    """Run the dense kernel on x2 [M <= 8, K] (no fallback; GPU builds only) -> [M, N]."""
+    m, k = x2.shape
+    plan = plan_launch(ggml_type, "dense", _dtype_name(x2.dtype), m, n, k, config=config)
+    return _run(_kernel_def(ggml_type, "dense"), [x2, blocks], plan, x2.dtype, init_value)
+
+
+def launch_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, n: int,
+                  config: KernelConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
+    """Run the gathered kernel (no fallback; GPU builds only) -> [M, k, N]."""
+    m, slots = ids.shape
+    k = x.shape[-1]
+    per_pair = x.ndim == 3
+    x2 = x.reshape(m * slots, k) if per_pair else x
+    plan = plan_launch(ggml_type, "gather", _dtype_name(x.dtype), m, n, k, slots, per_pair, config)
+    return _run(_kernel_def(ggml_type, "gather"), [x2, ids, blocks], plan, x.dtype, init_value)
+
+
+def launch_gate_up(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, f: int,
+                   config: KernelConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
+    """Run the fused gate/up kernel (no fallback; GPU builds only) -> [M, k, F]."""
+    m, slots = ids.shape
+    k = x.shape[-1]
+    plan = plan_launch(ggml_type, "gate_up", _dtype_name(x.dtype), m, f, k, slots, config=config)
+    return _run(_kernel_def(ggml_type, "gate_up"), [x, ids, blocks], plan, x.dtype, init_value)
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch (public API)
+# --------------------------------------------------------------------------------------------
+
+
+def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.array:
+    """x [..., K] (bf16/f32/f16) times raw GGUF weight blocks [N, ...] transposed -> [..., N].
+
+    Custom kernel on Metal/CUDA when the flattened row count is 1..8, else the reference.
+    """
+    _check_dense(x, blocks, ggml_type, n)
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    if use_reference() or not 1 <= m <= MAX_ROWS:
+        return matvec_reference(x, blocks, ggml_type, n)
+    out = launch_dense(x.reshape(m, x.shape[-1]), blocks, ggml_type, n)
+    return out.reshape(*lead, n)
+
+
+def q4_0_matvec(x: mx.array, blocks: mx.array, n: int) -> mx.array:
+    """x [..., K] @ Q4_0 weight [N, K].T; blocks uint8 [N, K // 32 * 18] -> [..., N], x.dtype."""
+    return quant_matvec(x, blocks, Q4_0, n)
+
+
+def q8_0_matvec(x: mx.array, blocks: mx.array, n: int) -> mx.array:
+    """x [..., K] @ Q8_0 weight [N, K].T; blocks uint8 [N, K // 32 * 34] -> [..., N], x.dtype."""
+    return quant_matvec(x, blocks, Q8_0, n)
+
+
+def q6_k_matvec(x: mx.array, blocks: mx.array, n: int) -> mx.array:
+    """x [..., K] @ Q6_K weight [N, K].T (e.g. the tied head); blocks uint8 [N, K // 256 * 210]."""
+    return quant_matvec(x, blocks, Q6_K, n)
+
+
+def _gather(x, ids, blocks, ggml_type, n):
+    _check_gather(x, ids, blocks, ggml_type, n)
+    if use_reference() or not 1 <= ids.shape[0] <= MAX_ROWS:
+        return matvec_gather_reference(x, ids, blocks, ggml_type, n)
+    return launch_gather(x, ids, blocks, ggml_type, n)
+
+
+def q4_0_matvec_gather(x: mx.array, ids: mx.array, blocks: mx.array, n: int) -> mx.array:
+    """Experts: x [M, K] or [M, k, K], ids int32 [M, k], Q4_0 blocks [E, N, K // 32 * 18] -> [M, k, N]."""
+    return _gather(x, ids, blocks, Q4_0, n)
+
+
+def q8_0_matvec_gather(x: mx.array, ids: mx.array, blocks: mx.array, n: int) -> mx.array:
+    """Experts: x [M, K] or [M, k, K], ids int32 [M, k], Q8_0 blocks [E, N, K // 32 * 34] -> [M, k, N]."""
+    return _gather(x, ids, blocks, Q8_0, n)
+
+
+def _gate_up(x, ids, blocks, ggml_type, f):
+    _check_gather(x, ids, blocks, ggml_type, 2 * f)
+    if x.ndim != 2:
+        raise ValueError("gate_up: x must be [M, K]")
+    if use_reference() or not 1 <= ids.shape[0] <= MAX_ROWS:
+        return gate_up_gather_reference(x, ids, blocks, ggml_type, f)
+    return launch_gate_up(x, ids, blocks, ggml_type, f)
+
+
+def q4_0_gate_up_gather(x: mx.array, ids: mx.array, blocks: mx.array, f: int) -> mx.array:
+    """Fused expert gate/up: x [M, K], ids [M, k], Q4_0 ``ffn_gate_up_exps`` blocks [E, 2F, ...]
+    -> gelu_tanh(gate) * up [M, k, F], x.dtype."""
+    return _gate_up(x, ids, blocks, Q4_0, f)
+
+
+def q8_0_gate_up_gather(x: mx.array, ids: mx.array, blocks: mx.array, f: int) -> mx.array:
+    """Fused expert gate/up on Q8_0 blocks [E, 2F, K // 32 * 34] -> [M, k, F], x.dtype."""
+    return _gate_up(x, ids, blocks, Q8_0, f)
+
+
+# --------------------------------------------------------------------------------------------
+# Emulator / compile-test registry (see custom_kernels.registry)
+# --------------------------------------------------------------------------------------------
+
+
+def random_blocks(rng: np.random.Generator, ggml_type: int, lead: tuple[int, ...], k: int) -> np.ndarray:
+    """Fresh random GGUF blocks uint8 [*lead, row_bytes]: random payload bytes, nonzero finite
+    fp16 scales of either sign (every byte pattern of the payload is a valid weight)."""
+    f = _fmt(ggml_type)
+    nb = k // f.block_weights
+    raw = rng.integers(0, 256, size=(*lead, nb, f.block_bytes), dtype=np.uint8)
+    mag = np.abs(rng.standard_normal(size=(*lead, nb))) * 0.02 + 0.002
+    sign = np.where(rng.random(size=(*lead, nb)) < 0.5, -1.0, 1.0)
+    scale = 0.02 if ggml_type == Q6_K else 1.0  # Q6_K: d * int8 scale * q
+    d = (mag * sign * scale).astype(np.float16).view(np.uint8).reshape(*lead, nb, 2)
+    at = 208 if ggml_type == Q6_K else 0
+    raw[..., at : at + 2] = d
+    return raw.reshape(*lead, nb * f.block_bytes)
+
+
+def dequantize_f64(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Test oracle: numpy dequantization (gguf-py) of uint8 blocks [..., bytes] -> float64 [..., K]."""
+    from gguf import GGMLQuantizationType, quants
+
+    return quants.dequantize(np.ascontiguousarray(blocks), GGMLQuantizationType(ggml_type)).astype(np.float64)
+
+
+def _gelu_tanh_f64(v: np.ndarray) -> np.ndarray:
+    return 0.5 * v * (1.0 + np.tanh(0.7978845608028654 * (v + 0.044715 * v**3)))
+
+
+def _activations(rng: np.random.Generator, shape, dtype_name: str) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(array as handed to a kernel harness, its exact float64 values, input_dtypes entry)."""
+    from .registry import bf16_to_f32, f32_to_bf16
+
+    v = rng.standard_normal(size=shape).astype(np.float32)
+    if dtype_name == "bfloat16":
+        bits = f32_to_bf16(v)
+        return bits, bf16_to_f32(bits).astype(np.float64), {"x": "bfloat16"}
+    if dtype_name == "float16":
+        h = v.astype(np.float16)
+        return h, h.astype(np.float64), {}
+    return v, v.astype(np.float64), {}
+
+
+def _tolerances(dtype_name: str, scale: float) -> tuple[float, float]:
+    """(rtol, atol): f32 accumulation error relative to sum |x||w|, plus output rounding."""
+    rtol = {"float32": 1e-5, "bfloat16": 4e-3, "float16": 1e-3}[dtype_name]
+    return rtol, 1e-5 * scale
+
+
+def _dense_case(rng, ggml_type, dtype_name, m, n, k, config):
+    from .registry import KernelCase
+
+    x, x64, in_dt = _activations(rng, (m, k), dtype_name)
+    wq = random_blocks(rng, ggml_type, (n,), k)
+    w64 = dequantize_f64(wq, ggml_type)
+    expected = x64 @ w64.T
+    scale = float((np.abs(x64) @ np.abs(w64).T).max())
+    rtol, atol = _tolerances(dtype_name, scale)
+    plan = plan_launch(ggml_type, "dense", dtype_name, m, n, k, config=config)
+    return KernelCase(
+        inputs={"x": x, "wq": wq}, template=plan.template, grid=plan.grid,
+        threadgroup=plan.threadgroup, output_shapes=[plan.output_shape], output_dtypes=[dtype_name],
+        expected=[expected], rtol=rtol, atol=atol, input_dtypes=in_dt,
+        label=f"{dtype_name} M={m} N={n} K={k} {config}",
+    )  # fmt: skip
+
+
+def _gather_case(rng, ggml_type, kind, dtype_name, m, slots, experts, n, k, x_per_pair, config):
+    from .registry import KernelCase
+
+    rows = 2 * n if kind == "gate_up" else n
+    x, x64, in_dt = _activations(rng, (m * slots if x_per_pair else m, k), dtype_name)
+    ids = np.stack([rng.permutation(experts)[:slots] for _ in range(m)]).astype(np.int32)
+    wq = random_blocks(rng, ggml_type, (experts, rows), k)
+    w64 = dequantize_f64(wq, ggml_type)[ids]  # [M, k, rows, K]
+    xs = x64.reshape(m, slots, k) if x_per_pair else np.broadcast_to(x64[:, None, :], (m, slots, k))
+    full = np.einsum("msnk,msk->msn", w64, xs)
+    mag = np.einsum("msnk,msk->msn", np.abs(w64), np.abs(xs))
+    if kind == "gate_up":
+        g, u, sg, su = full[..., :n], full[..., n:], mag[..., :n], mag[..., n:]
+        expected = _gelu_tanh_f64(g) * u
+        scale = float(((np.abs(g) + sg) * (np.abs(u) + su)).max())
+    else:
+        expected, scale = full, float(mag.max())
+    rtol, atol = _tolerances(dtype_name, scale)
+    plan = plan_launch(ggml_type, kind, dtype_name, m, n, k, slots, x_per_pair, config)
+    return KernelCase(
+        inputs={"x": x, "ids": ids, "wq": wq}, template=plan.template, grid=plan.grid,
+        threadgroup=plan.threadgroup, output_shapes=[plan.output_shape], output_dtypes=[dtype_name],
+        expected=[expected], rtol=rtol, atol=atol, input_dtypes=in_dt,
+        label=f"{dtype_name} M={m} k={slots} E={experts} N={n} K={k} xpp={x_per_pair} {config}",
+    )  # fmt: skip
+
+
+def _cases(ggml_type: int, kind: str):
+    """Small launches covering every template knob, odd N (not a multiple of R*NSG), K tails."""
+
+    def make(rng: np.random.Generator):
+        c = KernelConfig
+        if kind == "dense" and ggml_type == Q6_K:
+            return [
+                _dense_case(rng, ggml_type, "float32", 1, 13, 512, c(4, 2, 2)),
+                _dense_case(rng, ggml_type, "bfloat16", 3, 9, 256, c(2, 1, 2)),
+                _dense_case(rng, ggml_type, "float32", 8, 11, 768, c(4, 1, 2)),
+            ]
+        if kind == "dense":
+            return [
+                _dense_case(rng, ggml_type, "float32", 1, 13, 96, c(4, 2, 2)),
+                _dense_case(rng, ggml_type, "bfloat16", 2, 21, 1056, c(4, 2, 1)),
+                _dense_case(rng, ggml_type, "float32", 5, 7, 160, c(3, 1, 4)),
+                _dense_case(rng, ggml_type, "bfloat16", 8, 9, 64, c(2, 2, 4)),
+            ]
+        return [
+            _gather_case(rng, ggml_type, kind, "float32", 1, 3, 5, 11, 96, False, c(4, 2, 2)),
+            _gather_case(rng, ggml_type, kind, "bfloat16", 2, 2, 4, 7, 160, kind == "gather", c(2, 1, 4)),
+            _gather_case(rng, ggml_type, kind, "float32", 3, 2, 6, 9, 1056, False, c(4, 1, 1)),
+        ]
+
+    return make
+
+
+def kernel_specs():
+    """KernelSpec of every kernel in this module, with small test cases (odd tails included)."""
+    from .registry import KernelSpec
+
+    specs = []
+    for ggml_type, kind in _ALL_KERNELS:
+        kdef = _kernel_def(ggml_type, kind)
+        (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
+        specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs,
+                                _cases(ggml_type, kind)))  # fmt: skip
+    return specs

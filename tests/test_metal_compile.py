@@ -1,0 +1,255 @@
+"""Compile every kernel's generated Metal and CUDA text on the CPU CI machine.
+
+Metal: the text is wrapped exactly as ``mx.fast.metal_kernel`` wraps it (template header, the
+generated signature with attributes found in the body, explicit instantiation) and compiled with
+the system C++ compiler against a minimal shim of the Metal standard library. That proves the
+text is well-formed C++ with the types and functions Metal provides; the Metal emulator
+(tests/metal_emulator/) runs it.
+
+CUDA: the text is wrapped as ``mx.fast.cuda_kernel`` wraps it for NVRTC (default header,
+``namespace mlx::core::cu``, ``using``/``constexpr`` template lines, ``const T*`` inputs,
+``Shape`` by value) and compiled for sm_90 with the local ``nvcc`` (skipped when absent).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from custom_kernels.registry import KernelSpec, all_kernel_specs
+
+SPECS = all_kernel_specs()
+
+# MLX's get_type_string (Metal) and dtype_to_cuda_type (CUDA) for the dtypes kernels use.
+METAL_TYPES = {"float32": "float", "float16": "float16_t", "bfloat16": "bfloat16_t", "uint8": "uint8_t",
+               "uint16": "uint16_t", "uint32": "uint32_t", "int32": "int32_t", "int64": "int64_t",
+               "bool": "bool"}  # fmt: skip
+CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "uint8": "uint8_t",
+              "uint16": "uint16_t", "uint32": "uint32_t", "int32": "int32_t", "int64": "int64_t",
+              "bool": "bool"}  # fmt: skip
+
+# mx.fast.metal_kernel adds an attribute parameter when its name occurs in the body, in this order.
+METAL_ATTRIBUTES = [
+    ("dispatch_quadgroups_per_threadgroup", "uint"), ("dispatch_simdgroups_per_threadgroup", "uint"),
+    ("dispatch_threads_per_threadgroup", "uint3"), ("grid_origin", "uint3"), ("grid_size", "uint3"),
+    ("quadgroup_index_in_threadgroup", "uint"), ("quadgroups_per_threadgroup", "uint"),
+    ("simdgroup_index_in_threadgroup", "uint"), ("simdgroups_per_threadgroup", "uint"),
+    ("thread_execution_width", "uint"), ("thread_index_in_quadgroup", "uint"),
+    ("thread_index_in_simdgroup", "uint"), ("thread_index_in_threadgroup", "uint"),
+    ("thread_position_in_grid", "uint3"), ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"), ("threadgroups_per_grid", "uint3"),
+    ("threads_per_grid", "uint3"), ("threads_per_simdgroup", "uint"), ("threads_per_threadgroup", "uint3"),
+]  # fmt: skip
+
+# Just enough of <metal_stdlib> for the kernels to compile as C++ (types and declarations only).
+METAL_SHIM = r"""
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#define device
+#define constant
+#define threadgroup
+#define thread
+typedef unsigned int uint;
+typedef unsigned short ushort;
+struct uint3 { uint x, y, z; };
+struct uint2 { uint x, y; };
+struct uint4 { uint x, y, z, w; };
+struct ushort2 { ushort x, y; };
+struct ushort4 { ushort x, y, z, w; };
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+struct half { ushort bits; half() = default; half(float); operator float() const; };
+struct half2 { half x, y; };
+struct half4 { half x, y, z, w; };
+struct bfloat16_t { ushort bits; bfloat16_t() = default; bfloat16_t(float); operator float() const; };
+typedef half float16_t;
+template <typename To, typename From> To as_type(From v) {
+  static_assert(sizeof(To) == sizeof(From), "as_type size");
+  To t; std::memcpy(&t, &v, sizeof(To)); return t;
+}
+enum class mem_flags { mem_none, mem_device, mem_threadgroup, mem_texture };
+void threadgroup_barrier(mem_flags);
+void simdgroup_barrier(mem_flags);
+float simd_sum(float);
+float simd_max(float);
+float simd_shuffle_xor(float, ushort);
+namespace metal { namespace precise { float tanh(float); } }
+"""
+
+
+def _case_templates(spec: KernelSpec) -> list[tuple[list, dict]]:
+    """Distinct (template, inputs) pairs from the spec's cases."""
+    seen, out = set(), []
+    for case in spec.cases(np.random.default_rng(0)):
+        key = repr(case.template)
+        if key not in seen:
+            seen.add(key)
+            out.append((case.template, case))
+    return out
+
+
+def _input_dtype(case, name: str) -> str:
+    return case.input_dtypes.get(name, str(case.inputs[name].dtype))
+
+
+def _tvalue(v, types: dict) -> str:
+    if isinstance(v, bool):
+        return "1" if v else "0"  # MLX streams bools without boolalpha
+    if isinstance(v, int):
+        return str(v)
+    return types[v]
+
+
+def metal_text(spec: KernelSpec, cases: list) -> str:
+    """The library source MLX builds for these instantiations (minus MLX's own utils prelude)."""
+    template = cases[0][0]
+    src = spec.metal_header
+    tparams = ", ".join(
+        ("bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename") + " " + n
+        for n, v in template
+    )
+    case = cases[0][1]
+    params, index = [], 0
+    for name in spec.input_names:
+        arr = case.inputs[name]
+        where = "constant" if arr.size < 8 else "device"
+        ref = "&" if arr.ndim == 0 else "*"
+        params.append(f"  const {where} {METAL_TYPES[_input_dtype(case, name)]}{ref} {name} [[buffer({index})]]")
+        index += 1
+        for suffix, ctype in (("_shape", "const constant int*"), ("_strides", "const constant size_t*"),
+                              ("_ndim", "const constant int&")):  # fmt: skip
+            if arr.ndim > 0 and name + suffix in spec.metal_source:
+                params.append(f"  {ctype} {name}{suffix} [[buffer({index})]]")
+                index += 1
+    for name, dtype in zip(spec.output_names, case.output_dtypes):
+        params.append(f"  device {METAL_TYPES[dtype]}* {name} [[buffer({index})]]")
+        index += 1
+    params += [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES if a in spec.metal_source]
+    fname = f"custom_kernel_{spec.name}"
+    src += f"template <{tparams}>\n[[kernel]] void {fname}(\n" + ",\n".join(params) + ") {\n"
+    src += spec.metal_source + "\n}\n"
+    for tmpl, _ in cases:
+        args = "<" + ", ".join(_tvalue(v, METAL_TYPES) for _, v in tmpl) + ">"
+        host = fname + "_" + "_".join(_tvalue(v, METAL_TYPES) for _, v in tmpl)
+        src += f'\ntemplate [[host_name("{host}")]] [[kernel]] decltype({fname}{args}) {fname}{args};\n'
+    return src
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no system C++ compiler (g++)")
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_metal_text_compiles(spec: KernelSpec, tmp_path: Path):
+    (tmp_path / "metal_stdlib").write_text(METAL_SHIM)
+    (tmp_path / "metal_simdgroup").write_text("#pragma once\n")
+    # dtype-only instantiations per case signature (signatures differ by dtype: one TU each)
+    by_sig: dict[tuple, list] = {}
+    for tmpl, case in _case_templates(spec):
+        sig = tuple(_input_dtype(case, n) for n in spec.input_names) + tuple(case.output_dtypes)
+        by_sig.setdefault(sig, []).append((tmpl, case))
+    for i, cases in enumerate(by_sig.values()):
+        src = tmp_path / f"{spec.name}_{i}.cpp"
+        src.write_text(metal_text(spec, cases))
+        res = subprocess.run(
+            ["g++", "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Wno-unknown-pragmas",
+             f"-I{tmp_path}", str(src)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert res.returncode == 0, f"{src.name}:\n{res.stderr[-4000:]}"
+
+
+def test_each_dialect_has_only_its_own_spellings():
+    metal_only = r"\b(simd_sum|thread_index_in_simdgroup|threadgroup_position_in_grid|device|threadgroup)\b"
+    cuda_only = r"\b(threadIdx|blockIdx|__shfl_xor_sync|__syncthreads|__device__|__ldg)\b"
+    for spec in SPECS:
+        for text in (spec.metal_header, spec.metal_source):
+            assert "$" not in text and not re.search(cuda_only, text), spec.name
+        for text in (spec.cuda_header, spec.cuda_source):
+            assert "$" not in text and not re.search(metal_only, text), spec.name
+        assert re.search(metal_only, spec.metal_source) and re.search(cuda_only, spec.cuda_source)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA (NVRTC-style wrapping, compiled by nvcc)
+# ----------------------------------------------------------------------------------------------
+
+MLX_CUDA_UTILS_STUB = r"""
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+namespace mlx::core::cu {
+constexpr int MAX_NDIM = 10;
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}
+"""
+
+# mlx/backend/cuda/custom_kernel.cpp default_header
+MLX_CUDA_DEFAULT_HEADER = """
+#include "mlx/backend/cuda/device/utils.cuh"
+
+#include <cooperative_groups.h>
+
+#define inf cuda::std::numeric_limits<float>::infinity()
+
+"""
+
+
+def cuda_text(specs: list[KernelSpec]) -> str:
+    """One translation unit with a __global__ function per case instantiation of ``specs`` (which
+    share one header), wrapped as MLX wraps a custom kernel for NVRTC."""
+    src = MLX_CUDA_DEFAULT_HEADER + specs[0].cuda_header
+    src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    for spec in specs:
+        for tmpl, case in _case_templates(spec):
+            suffix = "".join("_" + _tvalue(v, CUDA_TYPES) for _, v in tmpl)
+            params = []
+            for name in spec.input_names:
+                arr = case.inputs[name]
+                params.append(f"    const {CUDA_TYPES[_input_dtype(case, name)]}* {name}")
+                for sfx, ctype in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
+                    if arr.ndim > 0 and name + sfx in spec.cuda_source:
+                        params.append(f"    const __grid_constant__ {ctype} {name}{sfx}")
+            for name, dtype in zip(spec.output_names, case.output_dtypes):
+                params.append(f"    {CUDA_TYPES[dtype]}* {name}")
+            src += f"__global__ void custom_kernel_{spec.name}{suffix}(\n" + ",\n".join(params) + ") {\n"
+            for n, v in tmpl:
+                if isinstance(v, bool):
+                    src += f"  constexpr bool {n} = {'true' if v else 'false'};\n"
+                elif isinstance(v, int):
+                    src += f"  constexpr int {n} = {v};\n"
+                else:
+                    src += f"  using {n} = {CUDA_TYPES[v]};\n"
+            src += "\n" + spec.cuda_source + "\n}\n\n"
+    return src + "} // namespace mlx::core::cu\n"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_text_compiles(tmp_path: Path):
+    inc = tmp_path / "mlx" / "backend" / "cuda" / "device"
+    inc.mkdir(parents=True)
+    (inc / "utils.cuh").write_text(MLX_CUDA_UTILS_STUB)
+    by_header: dict[str, list[KernelSpec]] = {}
+    for spec in SPECS:
+        by_header.setdefault(spec.cuda_header, []).append(spec)
+    procs = []
+    for i, specs in enumerate(by_header.values()):
+        src = tmp_path / f"kernels_{i}.cu"
+        src.write_text(cuda_text(specs))
+        # -cubin: NVCC front end, NVVM and ptxas for sm_90 (no host compilation needed)
+        cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-o", str(src.with_suffix(".cubin")),
+               f"-I{tmp_path}", str(src)]  # fmt: skip
+        procs.append((src, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    failures = []
+    for src, proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode != 0:
+            failures.append(f"{src.name}:\n{out[-3000:]}")
+    assert not failures, "\n\n".join(failures)
