@@ -764,6 +764,9 @@ def random_blocks(rng: np.random.Generator, ggml_type: int, lead: tuple[int, ...
     d = (mag * sign * scale).astype(np.float16).view(np.uint8).reshape(*lead, nb, 2)
     at = 208 if ggml_type == Q6_K else 0
     raw[..., at : at + 2] = d
+    if ggml_type == Q6_K:  # nonzero int8 sub-block scales, so no 16-weight group is all zeros
+        sc = rng.integers(1, 128, size=(*lead, nb, 16)) * np.where(rng.random((*lead, nb, 16)) < 0.5, -1, 1)
+        raw[..., 192:208] = sc.astype(np.int8).view(np.uint8)
     return raw.reshape(*lead, nb * f.block_bytes)
 
 

@@ -1,0 +1,232 @@
+"""CPU tests of custom_kernels.quant_matvec: references vs a float64 numpy oracle, dispatch,
+backend selection, the dialect and the kernel registry (GPU kernels run in test_kernels_gpu.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import custom_kernels
+from custom_kernels import dialect
+from custom_kernels import quant_matvec as qm
+from custom_kernels.registry import all_kernel_specs, bf16_to_f32, f32_to_bf16
+
+FORMATS = {"q4_0": (qm.Q4_0, 96), "q8_0": (qm.Q8_0, 96), "q6_k": (qm.Q6_K, 512)}
+
+
+def _within(got: np.ndarray, want: np.ndarray, bound: np.ndarray, rel: float) -> None:
+    """|got - want| <= rel * bound element-wise, where bound = sum |x||w| (the error scale of a dot)."""
+    err = np.abs(got.astype(np.float64) - want)
+    worst = float((err / bound).max())
+    assert worst <= rel, f"relative error {worst:.3g} > {rel:g}"
+
+
+def _to_mx(x64: np.ndarray, dtype: mx.Dtype) -> tuple[mx.array, np.ndarray]:
+    """An MLX array in ``dtype`` and its exact float64 values."""
+    arr = mx.array(x64.astype(np.float32)).astype(dtype)
+    return arr, np.array(arr.astype(mx.float32)).astype(np.float64)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_dequantize_matches_gguf(fmt):
+    ggml_type, k = FORMATS[fmt]
+    rng = np.random.default_rng(1)
+    raw = qm.random_blocks(rng, ggml_type, (5,), k)
+    got = np.array(qm.dequantize(mx.array(raw), ggml_type, k)).astype(np.float64)
+    want = qm.dequantize_f64(raw, ggml_type)
+    assert np.count_nonzero(want) > 0.9 * want.size  # fresh random weights, not zeros
+    np.testing.assert_allclose(got, want, rtol=2**-23, atol=0)
+
+
+def test_quantized_real_weights_roundtrip():
+    """gguf-py's own Q4_0/Q8_0 quantizer output dequantizes identically here."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = np.random.default_rng(2).standard_normal((7, 64)).astype(np.float32)
+    for ggml_type in (qm.Q4_0, qm.Q8_0):
+        raw = quants.quantize(w, GGMLQuantizationType(ggml_type))
+        got = np.array(qm.dequantize(mx.array(raw), ggml_type, 64))
+        np.testing.assert_array_equal(got, quants.dequantize(raw, GGMLQuantizationType(ggml_type)))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_dense_reference_vs_float64(fmt, dtype):
+    ggml_type, k = FORMATS[fmt]
+    rng = np.random.default_rng(3)
+    n = 37  # not a multiple of any rows-per-threadgroup
+    raw = qm.random_blocks(rng, ggml_type, (n,), k)
+    w64 = qm.dequantize_f64(raw, ggml_type)
+    blocks = mx.array(raw)
+    for m in range(1, 9):
+        x, x64 = _to_mx(rng.standard_normal((m, k)), dtype)
+        out = qm.matvec_reference(x, blocks, ggml_type, n)
+        assert out.shape == (m, n) and out.dtype == dtype
+        got = np.array(out.astype(mx.float32))
+        bound = np.abs(x64) @ np.abs(w64).T
+        rel = 1e-5 if dtype == mx.float32 else 2**-8
+        _within(got, x64 @ w64.T, bound, rel)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_gather_reference_vs_float64(fmt, per_slot):
+    ggml_type, k = FORMATS[fmt]
+    rng = np.random.default_rng(4)
+    experts, n, slots = 6, 13, 3
+    raw = qm.random_blocks(rng, ggml_type, (experts, n), k)
+    w64 = qm.dequantize_f64(raw, ggml_type)
+    for m in (1, 4, 8):
+        ids = np.stack([rng.permutation(experts)[:slots] for _ in range(m)]).astype(np.int32)
+        x, x64 = _to_mx(rng.standard_normal((m, slots, k) if per_slot else (m, k)), mx.float32)
+        out = qm.matvec_gather_reference(x, mx.array(ids), mx.array(raw), ggml_type, n)
+        assert out.shape == (m, slots, n)
+        xs = x64 if per_slot else np.broadcast_to(x64[:, None], (m, slots, k))
+        want = np.einsum("msnk,msk->msn", w64[ids], xs)
+        bound = np.einsum("msnk,msk->msn", np.abs(w64[ids]), np.abs(xs))
+        _within(np.array(out), want, bound, 1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_gate_up_reference_vs_float64(fmt):
+    ggml_type, k = FORMATS[fmt]
+    rng = np.random.default_rng(5)
+    experts, f, slots, m = 5, 11, 2, 3
+    raw = qm.random_blocks(rng, ggml_type, (experts, 2 * f), k)
+    w64 = qm.dequantize_f64(raw, ggml_type)
+    ids = np.stack([rng.permutation(experts)[:slots] for _ in range(m)]).astype(np.int32)
+    x, x64 = _to_mx(rng.standard_normal((m, k)), mx.float32)
+    out = np.array(qm.gate_up_gather_reference(x, mx.array(ids), mx.array(raw), ggml_type, f))
+    gu = np.einsum("msnk,mk->msn", w64[ids], x64)
+    g, u = gu[..., :f], gu[..., f:]
+    want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
+    mag = np.einsum("msnk,mk->msn", np.abs(w64[ids]), np.abs(x64))
+    _within(out, want, (np.abs(g) + mag[..., :f]) * (np.abs(u) + mag[..., f:]), 1e-5)
+
+
+def test_backend_and_reference_switch(monkeypatch):
+    assert custom_kernels.backend() in ("metal", "cuda", "cpu")
+    monkeypatch.setenv(custom_kernels.KERNELS_ENV, "reference")
+    assert custom_kernels.use_reference()
+    monkeypatch.setenv(custom_kernels.KERNELS_ENV, "fast-please")
+    with pytest.raises(ValueError):
+        custom_kernels.use_reference()
+    monkeypatch.delenv(custom_kernels.KERNELS_ENV)
+    assert custom_kernels.use_reference() == (custom_kernels.backend() == "cpu")
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cpu", reason="CPU-build behaviour")
+def test_cpu_dispatch_uses_reference_and_builds_no_kernel():
+    custom_kernels.clear_kernel_cache()
+    rng = np.random.default_rng(6)
+    raw = mx.array(qm.random_blocks(rng, qm.Q4_0, (10,), 64))
+    x = mx.array(rng.standard_normal((2, 3, 64)).astype(np.float32)).astype(mx.bfloat16)
+    out = qm.q4_0_matvec(x, raw, 10)
+    assert out.shape == (2, 3, 10) and out.dtype == mx.bfloat16
+    want = qm.matvec_reference(x.reshape(6, 64), raw, qm.Q4_0, 10).reshape(2, 3, 10)
+    assert mx.array_equal(out, want)
+    assert not custom_kernels._kernel_cache
+    with pytest.raises(RuntimeError):
+        custom_kernels.get_kernel("k", ("a",), ("b",), ("", "b[0] = a[0];"), ("", "b[0] = a[0];"))
+
+
+def test_public_ops_match_references():
+    """Whatever the backend, each public op agrees with its reference (exact on CPU)."""
+    rng = np.random.default_rng(7)
+    x = mx.array(rng.standard_normal((3, 64)).astype(np.float32))
+    ids = mx.array(np.array([[0, 2], [1, 0], [2, 1]], dtype=np.int32))
+    for op, t in ((qm.q4_0_matvec, qm.Q4_0), (qm.q8_0_matvec, qm.Q8_0)):
+        raw = mx.array(qm.random_blocks(rng, t, (9,), 64))
+        np.testing.assert_allclose(op(x, raw, 9), qm.matvec_reference(x, raw, t, 9), rtol=1e-5, atol=1e-5)
+    raw6 = mx.array(qm.random_blocks(rng, qm.Q6_K, (9,), 256))
+    x6 = mx.array(rng.standard_normal((1, 256)).astype(np.float32))
+    np.testing.assert_allclose(qm.q6_k_matvec(x6, raw6, 9), qm.matvec_reference(x6, raw6, qm.Q6_K, 9), rtol=1e-5, atol=1e-5)
+    for gop, uop, t in ((qm.q4_0_matvec_gather, qm.q4_0_gate_up_gather, qm.Q4_0),
+                        (qm.q8_0_matvec_gather, qm.q8_0_gate_up_gather, qm.Q8_0)):  # fmt: skip
+        stack = mx.array(qm.random_blocks(rng, t, (3, 10), 64))
+        np.testing.assert_allclose(
+            gop(x, ids, stack, 10), qm.matvec_gather_reference(x, ids, stack, t, 10), rtol=1e-5, atol=1e-5
+        )
+        np.testing.assert_allclose(
+            uop(x, ids, stack, 5), qm.gate_up_gather_reference(x, ids, stack, t, 5), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_argument_errors():
+    raw = mx.array(qm.random_blocks(np.random.default_rng(8), qm.Q4_0, (4,), 64))
+    x = mx.zeros((1, 64))
+    with pytest.raises(ValueError):
+        qm.q4_0_matvec(x, raw, 5)  # wrong N
+    with pytest.raises(ValueError):
+        qm.q8_0_matvec(x, raw, 4)  # Q4_0 bytes read as Q8_0
+    with pytest.raises(TypeError):
+        qm.q4_0_matvec(x.astype(mx.int32), raw, 4)
+    with pytest.raises(ValueError):
+        qm.dequantize(raw, qm.Q6_K, 64)  # K not a multiple of 256
+    ids = mx.array(np.zeros((2, 2), dtype=np.int32))
+    with pytest.raises(ValueError):
+        qm.q4_0_matvec_gather(x, ids, raw.reshape(1, 4, 36), 4)  # x has 1 row, ids 2
+
+
+def test_launch_plans_cover_every_row():
+    for ggml_type in (qm.Q4_0, qm.Q8_0, qm.Q6_K):
+        for kind in ("dense", "gather", "gate_up") if ggml_type != qm.Q6_K else ("dense",):
+            for which in ("metal", "cuda"):
+                for m, n, k in ((1, 21504, 5376), (8, 5376, 21504), (3, 37, 256), (1, 704, 2816)):
+                    cfg = qm.default_config(ggml_type, kind, m, n, k, pairs=8, which=which)
+                    plan = qm.plan_launch(ggml_type, kind, "bfloat16", m, n, k, 8, config=cfg)
+                    tx = plan.threadgroup[0]
+                    assert tx == 32 * cfg.simd_groups and plan.grid[0] % tx == 0
+                    assert plan.grid[0] // tx * cfg.rows_per_simd * cfg.simd_groups >= n
+                    assert plan.grid[1] == (1 if kind == "dense" else m * 8)
+
+
+def test_dialect_render():
+    body = "const int l = $lane; $shared float s[4]; $barrier;"
+    metal, cuda = dialect.render(body, "metal"), dialect.render(body, "cuda")
+    assert "thread_index_in_simdgroup" in metal and "threadgroup float" in metal
+    assert "threadIdx.x & 31u" in cuda and "__shared__ float" in cuda and "__syncthreads()" in cuda
+    with pytest.raises(KeyError):
+        dialect.render("$laen", "metal")
+    with pytest.raises(ValueError):
+        dialect.render(body, "vulkan")
+    both = dialect.emit(body, "inline float twice(float v) { return 2 * v; }")
+    assert set(both) == {"metal", "cuda"} and all("g4_simd_sum" in h for h, _ in both.values())
+
+
+def test_bf16_bit_helpers():
+    v = np.array([1.0, -2.5, 3.14159, 1e-3, 65504.0, 1.00390625], dtype=np.float32)
+    back = bf16_to_f32(f32_to_bf16(v))
+    np.testing.assert_allclose(back, np.array(mx.array(v).astype(mx.bfloat16).astype(mx.float32)), rtol=0)
+
+
+def test_registry_lists_every_kernel_with_consistent_cases():
+    specs = all_kernel_specs()
+    names = {s.name for s in specs}
+    assert {"g4_q4_0_matvec", "g4_q8_0_matvec", "g4_q6_k_matvec", "g4_q4_0_matvec_gather",
+            "g4_q8_0_matvec_gather", "g4_q4_0_gate_up_gather", "g4_q8_0_gate_up_gather"} <= names  # fmt: skip
+    for spec in specs:
+        cases = spec.cases(np.random.default_rng(0))
+        assert cases
+        for case in cases:
+            assert list(case.inputs) == list(spec.input_names)
+            assert all(g % t == 0 for g, t in zip(case.grid, case.threadgroup))
+            assert [tuple(e.shape) for e in case.expected] == [tuple(s) for s in case.output_shapes]
+            # the case's expected output agrees with the MLX reference on the same inputs
+            x = case.inputs["x"]
+            xm = mx.array(bf16_to_f32(x)).astype(mx.bfloat16) if case.input_dtypes.get("x") == "bfloat16" else mx.array(x)
+            ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0, "q6_k": qm.Q6_K}[spec.name.split("_", 1)[1][:4]]
+            wq = mx.array(case.inputs["wq"])
+            n = case.output_shapes[0][-1]
+            if "gate_up" in spec.name:
+                ref = qm.gate_up_gather_reference(xm, mx.array(case.inputs["ids"]), wq, ggml_type, n)
+            elif "gather" in spec.name:
+                ids = mx.array(case.inputs["ids"])
+                xg = xm.reshape(*ids.shape, -1) if x.shape[0] != ids.shape[0] else xm
+                ref = qm.matvec_gather_reference(xg, ids, wq, ggml_type, n)
+            else:
+                ref = qm.matvec_reference(xm, wq, ggml_type, n)
+            got = np.array(ref.astype(mx.float32)).reshape(case.output_shapes[0])
+            ok = np.abs(got - case.expected[0]) <= case.atol + case.rtol * np.abs(case.expected[0])
+            assert ok.all(), f"{spec.name} {case.label}"
