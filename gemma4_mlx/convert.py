@@ -245,7 +245,7 @@ def plan_tensors(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, n_vocab: int, re
     try:
         cfg.check_tensor_shapes(shapes)
     except ConfigError as e:
-        raise ConvertError(str(e)) from None
+        raise ConvertError(f"checkpoint does not match its config.json: {e}") from None
     v_model = shapes["token_embd.weight"][0]
     if n_vocab > v_model:
         raise ConvertError(f"the tokenizer has {n_vocab} tokens but token_embd has only {v_model} rows")
@@ -306,7 +306,7 @@ def _rope_freqs_bytes(cfg: ModelConfig) -> np.ndarray:
 
 def _write_streaming(path: Path, metadata: dict[str, Any], metadata_types: dict[str, Any],
                      plan: list[PlannedTensor], produce: Callable[[PlannedTensor], np.ndarray],
-                     progress: bool) -> None:
+                     progress: bool, desc: str = "") -> None:
     """Write a GGUF with gguf.GGUFWriter: tensor infos from `plan` first, then each tensor's bytes
     from `produce` as they are made (one tensor in memory at a time)."""
     import gguf
@@ -334,7 +334,7 @@ def _write_streaming(path: Path, metadata: dict[str, Any], metadata_types: dict[
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=sum(t.nbytes for t in plan), unit="B", unit_scale=True, desc=path.name)
+            bar = tqdm(total=sum(t.nbytes for t in plan), unit="B", unit_scale=True, desc=desc or path.name)
         for t in plan:
             data = produce(t)
             if data.nbytes != t.nbytes:
@@ -362,7 +362,7 @@ def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, out_type: st
             progress: bool = False) -> Path:
     """Convert an HF Gemma 4 checkpoint directory to one GGUF file; returns the output path.
 
-    out_type: one of OUT_TYPES. The file is written to OUT.tmp and renamed when complete.
+    out_type: one of OUT_TYPES. The file is written to OUT.tmp-PID and renamed when complete.
     Raises ConvertError with a one-line message for unusable input."""
     if out_type not in OUT_TYPES:
         raise ConvertError(f"unknown output type {out_type!r} (choose from {', '.join(OUT_TYPES)})")
@@ -383,9 +383,9 @@ def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, out_type: st
             src = src[: t.shape[0]]
         return _encode(src, ckpt.dtype_name(t.hf_name), t.ggml_type, t.nbytes)
 
-    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
     try:
-        _write_streaming(tmp, metadata, metadata_types, plan, produce, progress)
+        _write_streaming(tmp, metadata, metadata_types, plan, produce, progress, desc=out_path.name)
         os.replace(tmp, out_path)
     finally:
         if tmp.exists():

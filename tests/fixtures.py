@@ -116,10 +116,9 @@ _MARKER = ".gemma4-fixture-cache"
 
 def cache_key() -> str:
     """Hash of the sources that determine the fixture files (and the torch/transformers versions)."""
-    import torch
-    import transformers
+    from importlib.metadata import version
 
-    h = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
+    h = hashlib.sha256(f"torch {version('torch')} transformers {version('transformers')}".encode())
     for rel in _KEY_SOURCES:
         p = REPO / rel
         h.update(rel.encode() + b"\0" + (p.read_bytes() if p.exists() else b"<missing>") + b"\0")

@@ -12,12 +12,13 @@ from fixtures import _COMMON, GENERATION_CONFIG, VARIANT_CONFIGS, VARIANTS, disc
 
 
 def test_logits_are_discriminative(any_fixture):
-    std, top1 = discriminativeness(any_fixture.logits(probe_ids()))
+    ids = probe_ids()
+    logits = any_fixture.logits(ids)
+    std, top1 = discriminativeness(logits)
     assert std > 2.0, f"{any_fixture.variant}: logit std {std:.2f}"
     assert top1 > 0.2, f"{any_fixture.variant}: mean top-1 probability {top1:.2f}"
     # not the tied-embedding degeneracy "predict the current token"
-    ids = probe_ids()
-    argmax = any_fixture.logits(ids)[0].argmax(-1)
+    argmax = logits[0].argmax(-1)
     assert (argmax == ids[0]).mean() < 0.2
     assert len(np.unique(argmax)) > 10
 
