@@ -1,0 +1,343 @@
+"""Bandwidth of the fused GGUF dequant-matvec kernels (custom_kernels.quant_matvec) at real shapes.
+
+For every projection of Gemma 4 31B, 26B-A4B, 12B and E4B (sliding and full attention layers,
+MLP, the tied 262144 x H head, and the 26B-A4B expert path at M = 1 with 8 experts), one run reports:
+
+  * time per call and GB/s of each kernel at M = 1 and M = 8 (Q4_0 projections; Q8_0 and Q6_K
+    head), bytes = weight bytes read + activations read + outputs written;
+  * the device copy bandwidth measured in the same run (``a + 1`` over a 1 GiB float32 array,
+    bytes read + written) and every kernel's fraction of it;
+  * ``mx.quantized_matmul`` (``mx.gather_qmm`` for experts) on the MLX affine form of the same
+    weights (lossless mapping; bf16 scales/biases, as mlx-lm stores them) in the same run;
+  * M=8 / M=1 time ratios.
+
+Weights are random GGUF blocks (valid fp16 scales); each shape rotates through enough weight sets
+(at least 8, and at least 512 MiB in all) that the GPU's L2 cache cannot serve them.
+
+    python bench/kernels.py                 # GPU (Metal or CUDA): all models
+    python bench/kernels.py --models 31B    # one model
+    python bench/kernels.py --sweep         # also time launch geometries (R, NSG, LPB) on key shapes
+    python bench/kernels.py --quick         # tiny shapes; also runs on CPU (references), for CI-less checks
+
+Writes bench/results/kernels-<backend>-<date>.json (hardware, versions, every number).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import custom_kernels  # noqa: E402
+from custom_kernels import quant_matvec as qm  # noqa: E402
+
+VOCAB = 262144
+# (name, N, K) per model: attention at sliding (s) and full (f) layers, MLP, head.
+MODELS = {
+    "31B": dict(H=5376, proj=[("attn_q(s)", 8192, 5376), ("attn_k/v(s)", 4096, 5376), ("attn_q(f)", 16384, 5376),
+                              ("attn_k(f)", 2048, 5376), ("attn_o(s)", 5376, 8192), ("attn_o(f)", 5376, 16384),
+                              ("ffn_gate/up", 21504, 5376), ("ffn_down", 5376, 21504)]),
+    "26B-A4B": dict(H=2816, proj=[("attn_q(s)", 4096, 2816), ("attn_k/v(s)", 2048, 2816), ("attn_q(f)", 8192, 2816),
+                                  ("attn_k(f)", 1024, 2816), ("attn_o(s)", 2816, 4096), ("attn_o(f)", 2816, 8192),
+                                  ("ffn_gate/up", 2112, 2816), ("ffn_down", 2816, 2112)],
+                    experts=dict(E=128, top_k=8, F=704)),
+    "12B": dict(H=3840, proj=[("attn_q(s)", 4096, 3840), ("attn_k/v(s)", 2048, 3840), ("attn_q(f)", 8192, 3840),
+                              ("attn_k(f)", 512, 3840), ("attn_o(s)", 3840, 4096), ("attn_o(f)", 3840, 8192),
+                              ("ffn_gate/up", 15360, 3840), ("ffn_down", 3840, 15360)]),
+    "E4B": dict(H=2560, proj=[("attn_q(s)", 2048, 2560), ("attn_k/v(s)", 512, 2560), ("attn_q(f)", 4096, 2560),
+                              ("attn_k/v(f)", 1024, 2560), ("attn_o(s)", 2560, 2048), ("attn_o(f)", 2560, 4096),
+                              ("ffn_gate/up", 10240, 2560), ("ffn_down", 2560, 10240)]),
+}  # fmt: skip
+QUICK = {"tiny": dict(H=256, proj=[("proj", 96, 256), ("down", 256, 96)], head=512, experts=dict(E=8, top_k=2, F=64))}
+SWEEP_SHAPES = [("31B", "ffn_gate/up", 21504, 5376), ("31B", "attn_k(f)", 2048, 5376)]
+MIN_SET_BYTES = 512 << 20
+TARGET_ROUND_S = 0.03
+
+
+# --------------------------------------------------------------------------------------------
+# random weights on the device
+
+
+def random_blocks(ggml_type: int, shape: tuple[int, ...], k: int) -> mx.array:
+    """Random GGUF blocks uint8 [*shape, row_bytes] with finite nonzero fp16 scales, made on device."""
+    f = qm._fmt(ggml_type)
+    nb = k // f.block_weights
+    payload = mx.random.randint(0, 256, (*shape, nb, f.block_bytes), dtype=mx.uint8)
+    d = mx.random.uniform(0.002, 0.02, (*shape, nb)).astype(mx.float16)
+    d_bytes = mx.view(d, mx.uint8).reshape(*shape, nb, 2)
+    at = 208 if ggml_type == qm.Q6_K else 0
+    blocks = mx.concatenate([payload[..., :at], d_bytes, payload[..., at + 2 :]], axis=-1)
+    return blocks.reshape(*shape, nb * f.block_bytes)
+
+
+def to_affine(blocks: mx.array, ggml_type: int, k: int, dtype) -> tuple[mx.array, mx.array, mx.array]:
+    """Lossless Q4_0/Q8_0 -> MLX affine group-32 triple (w uint32, scales, biases) in MLX ops;
+    scales/biases cast to ``dtype`` (bf16: mlx-lm's layout, 5.0 / 9.0 bits per weight)."""
+    lead = blocks.shape[:-1]
+    nb = k // 32
+    b = blocks.reshape(*lead, nb, qm._fmt(ggml_type).block_bytes)
+    d = mx.view(b[..., 0:2].astype(mx.uint16)[..., 0] | (b[..., 1].astype(mx.uint16) << 8), mx.float16)
+    if ggml_type == qm.Q4_0:
+        qs = b[..., 2:18]
+        even, odd = qs[..., 0::2], qs[..., 1::2]
+        packed = mx.concatenate([(even & 15) | (odd << 4), (even >> 4) | (odd & 240)], axis=-1)
+        zero = -8.0
+    else:
+        packed = b[..., 2:34] ^ 128
+        zero = -128.0
+    w = mx.view(mx.contiguous(packed), mx.uint32).reshape(*lead, -1)
+    scales = d.astype(mx.float32)
+    return w, scales.astype(dtype), (scales * zero).astype(dtype)
+
+
+def n_sets(set_bytes: int, quick: bool) -> int:
+    if quick:
+        return 4
+    return int(min(4096, max(8, math.ceil(MIN_SET_BYTES / set_bytes))))
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+
+
+def time_rotating(calls: list, quick: bool) -> float:
+    """Median seconds per call of a list of zero-argument callables (one per weight set), each
+    round evaluating all of them (repeated to ~TARGET_ROUND_S) as one graph."""
+    mx.eval([c() for c in calls])  # warm-up: compile, allocate
+    t = time.perf_counter()
+    mx.eval([c() for c in calls])
+    one = max(time.perf_counter() - t, 1e-6)
+    reps = 1 if quick else max(1, int(TARGET_ROUND_S / one))
+    rounds = 2 if quick else 7
+    samples = []
+    for _ in range(rounds):
+        mx.synchronize()
+        t = time.perf_counter()
+        mx.eval([c() for _ in range(reps) for c in calls])
+        mx.synchronize()
+        samples.append((time.perf_counter() - t) / (reps * len(calls)))
+    return statistics.median(samples)
+
+
+def copy_bandwidth(quick: bool) -> dict:
+    """Device copy rate: a + 1 over a float32 array (1 GiB; 16 MiB with --quick), bytes read + written."""
+    n = (1 << 22) if quick else (1 << 28)
+    arrays = [mx.random.uniform(shape=(n,)) for _ in range(2)]
+    mx.eval(arrays)
+    sec = time_rotating([lambda a=a: a + 1.0 for a in arrays], quick)
+    nbytes = 2 * 4 * n
+    return {"bytes": nbytes, "time_us": sec * 1e6, "GBps": nbytes / sec / 1e9}
+
+
+# --------------------------------------------------------------------------------------------
+# cases
+
+
+def _dtype_bytes(dtype) -> int:
+    return {mx.float32: 4, mx.bfloat16: 2, mx.float16: 2}[dtype]
+
+
+def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=None, with_qmm=True):
+    """Kernel (and quantized_matmul) at each M in ms on rotating [N, K] weight sets."""
+    rb = qm.row_bytes(ggml_type, k)
+    sets = n_sets(n * rb, quick)
+    weights = [random_blocks(ggml_type, (n,), k) for _ in range(sets)]
+    mx.eval(weights)
+    rows = []
+    for m in ms:
+        x = mx.random.normal((m, k)).astype(dtype)
+        mx.eval(x)
+        if on_gpu:
+            calls = [lambda w=w: qm.launch_dense(x, w, ggml_type, n, config=config) for w in weights]
+        else:
+            calls = [lambda w=w: qm.quant_matvec(x, w, ggml_type, n) for w in weights]
+        sec = time_rotating(calls, quick)
+        nbytes = n * rb + m * k * _dtype_bytes(dtype) + m * n * _dtype_bytes(dtype)
+        cfg = config or qm.default_config(ggml_type, "dense", m, n, k)
+        rows.append(dict(model=model, name=name, impl=f"{qm._fmt(ggml_type).name}_matvec", N=n, K=k, M=m,
+                         sets=sets, time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
+                         config=[cfg.rows_per_simd, cfg.simd_groups, cfg.lanes_per_block]))  # fmt: skip
+    if with_qmm and ggml_type in (qm.Q4_0, qm.Q8_0):
+        bits = 4 if ggml_type == qm.Q4_0 else 8
+        affine = [to_affine(w, ggml_type, k, dtype) for w in weights]
+        del weights
+        mx.eval(affine)
+        abytes = sum(a.nbytes for a in affine[0])
+        for m in ms:
+            x = mx.random.normal((m, k)).astype(dtype)
+            calls = [lambda a=a: mx.quantized_matmul(x, *a, transpose=True, group_size=32, bits=bits) for a in affine]
+            sec = time_rotating(calls, quick)
+            nbytes = abytes + m * k * _dtype_bytes(dtype) + m * n * _dtype_bytes(dtype)
+            rows.append(dict(model=model, name=name, impl=f"mx.quantized_matmul_{bits}bit", N=n, K=k, M=m,
+                             sets=sets, time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9))  # fmt: skip
+    return rows
+
+
+def expert_case(model, ex, h, dtype, quick, on_gpu):
+    """26B-A4B expert path at M = 1: fused gate/up (gelu*up) + down over top_k random experts."""
+    e, top_k, f = ex["E"], ex["top_k"], ex["F"]
+    gu_rb, dn_rb = qm.row_bytes(qm.Q4_0, h), qm.row_bytes(qm.Q4_0, f)
+    layer_bytes = e * (2 * f * gu_rb + h * dn_rb)
+    sets = n_sets(layer_bytes, quick)
+    layers = [(random_blocks(qm.Q4_0, (e, 2 * f), h), random_blocks(qm.Q4_0, (e, h), f)) for _ in range(sets)]
+    mx.eval(layers)
+    rng = np.random.default_rng(0)
+    ids = [mx.array(rng.permutation(e)[:top_k][None].astype(np.int32)) for _ in range(sets)]
+    x = mx.random.normal((1, h)).astype(dtype)
+    mx.eval(x, ids)
+
+    def ours(i):
+        gu, dn = layers[i]
+        if on_gpu:
+            a = qm.launch_gate_up(x, ids[i], gu, qm.Q4_0, f)
+            return qm.launch_gather(a, ids[i], dn, qm.Q4_0, h)
+        a = qm.q4_0_gate_up_gather(x, ids[i], gu, f)
+        return qm.q4_0_matvec_gather(a, ids[i], dn, h)
+
+    sec = time_rotating([lambda i=i: ours(i) for i in range(sets)], quick)
+    act = _dtype_bytes(dtype)
+    nbytes = top_k * (2 * f * gu_rb + h * dn_rb) + (h + 2 * top_k * f + top_k * h) * act
+    rows = [dict(model=model, name=f"experts top{top_k} (gate_up+down)", impl="q4_0_gate_up+gather", N=2 * f, K=h,
+                 M=1, E=e, sets=sets, time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9)]  # fmt: skip
+    affine = [(to_affine(gu, qm.Q4_0, h, dtype), to_affine(dn, qm.Q4_0, f, dtype)) for gu, dn in layers]
+    del layers
+    mx.eval(affine)
+    abytes = top_k * (sum(a.nbytes for a in affine[0][0]) + sum(a.nbytes for a in affine[0][1])) // e
+    x3 = x.reshape(1, 1, h)
+
+    def mlx_path(i):
+        (gw, gs, gb), (dw, ds, db) = affine[i]
+        flat = ids[i].reshape(-1)
+        gu = mx.gather_qmm(x3, gw, gs, gb, rhs_indices=flat, transpose=True, group_size=32, bits=4)  # [k,1,2F]
+        a = qm.gelu_tanh(gu[..., :f]) * gu[..., f:]
+        return mx.gather_qmm(a, dw, ds, db, rhs_indices=flat, transpose=True, group_size=32, bits=4)
+
+    sec = time_rotating([lambda i=i: mlx_path(i) for i in range(sets)], quick)
+    nbytes = abytes + (h + 2 * top_k * f + top_k * h) * act
+    rows.append(dict(model=model, name=f"experts top{top_k} (gate_up+down)", impl="mx.gather_qmm_4bit", N=2 * f,
+                     K=h, M=1, E=e, sets=sets, time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9))  # fmt: skip
+    return rows
+
+
+def sweep(dtype, quick, on_gpu):
+    """Time launch geometries on key shapes (GPU only): R in {2,4,8}, NSG in {1,2,4,8}, LPB in {1,2,4}."""
+    rows = []
+    if not on_gpu:
+        return rows
+    for model, name, n, k in SWEEP_SHAPES:
+        for m in (1, 8):
+            for r in (2, 4, 8):
+                for nsg in (1, 2, 4, 8):
+                    for lpb in (1, 2, 4):
+                        cfg = qm.KernelConfig(r, nsg, lpb)
+                        try:
+                            rows += dense_case(model, name, qm.Q4_0, n, k, (m,), dtype, quick, on_gpu, cfg, False)
+                        except Exception as exc:  # e.g. too many registers for one geometry
+                            rows.append(dict(model=model, name=name, M=m, config=[r, nsg, lpb], error=str(exc)[:200]))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def hardware() -> dict:
+    info: dict = {"backend": custom_kernels.backend(), "machine": platform.machine(), "system": platform.system()}
+    try:
+        info["mlx_device_info"] = {k: (v if isinstance(v, (int, float, str)) else str(v))
+                                   for k, v in mx.device_info().items()}  # fmt: skip
+    except Exception:
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)  # fmt: skip
+        if out.returncode == 0:
+            info["nvidia_smi"] = out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, few repetitions (runs on CPU too)")
+    ap.add_argument("--models", default="31B,26B-A4B,12B,E4B", help="comma-separated subset of " + ",".join(MODELS))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--sweep", action="store_true", help="also time launch geometries on key shapes")
+    ap.add_argument("--no-qmm", action="store_true", help="skip the mx.quantized_matmul comparison")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/kernels-<backend>-<date>.json)")
+    args = ap.parse_args()
+
+    dtype = getattr(mx, args.dtype)
+    on_gpu = not custom_kernels.use_reference()
+    models = QUICK if args.quick else {m: MODELS[m] for m in args.models.split(",")}
+    t0 = time.time()
+    copy = copy_bandwidth(args.quick)
+    print(f"backend {custom_kernels.backend()}  kernels {'on' if on_gpu else 'off (references)'}  "
+          f"copy bandwidth {copy['GBps']:.0f} GB/s (a + 1 on {copy['bytes'] // 2 >> 20} MiB)")  # fmt: skip
+    rows: list[dict] = []
+    for model, spec in models.items():
+        h = spec["H"]
+        for name, n, k in spec["proj"]:
+            rows += dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, args.quick, on_gpu, with_qmm=not args.no_qmm)
+            print(f"  {model} {name} done ({time.time() - t0:.0f} s)", flush=True)
+        head_n = spec.get("head", VOCAB)
+        for t in (qm.Q8_0, qm.Q6_K):
+            rows += dense_case(model, "head (tied)", t, head_n, h, (1, 8), dtype, args.quick, on_gpu,
+                               with_qmm=not args.no_qmm)  # fmt: skip
+        if "experts" in spec:
+            rows += expert_case(model, spec["experts"], h, dtype, args.quick, on_gpu)
+        print(f"  {model} head/experts done ({time.time() - t0:.0f} s)", flush=True)
+    sweep_rows = sweep(dtype, args.quick, on_gpu) if args.sweep else []
+    for r in rows + sweep_rows:
+        if "GBps" in r:
+            r["frac_copy"] = r["GBps"] / copy["GBps"]
+
+    # M=8 / M=1 time ratios per (model, name, impl)
+    ratios = []
+    by_key = {(r["model"], r["name"], r["impl"], r["M"]): r for r in rows if "M" in r}
+    for (model, name, impl, m), r in by_key.items():
+        if m == 8 and (model, name, impl, 1) in by_key:
+            ratios.append(dict(model=model, name=name, impl=impl, ratio_M8_M1=r["time_us"] / by_key[(model, name, impl, 1)]["time_us"]))
+
+    print(f"\n{'model':8} {'tensor':20} {'impl':26} {'N':>7} {'K':>6} {'M':>2} {'us':>9} {'GB/s':>7} {'copy%':>6}")
+    for r in rows:
+        print(f"{r['model']:8} {r['name'][:20]:20} {r['impl'][:26]:26} {r['N']:7d} {r['K']:6d} {r['M']:2d} "
+              f"{r['time_us']:9.1f} {r['GBps']:7.0f} {100 * r['frac_copy']:5.1f}%")  # fmt: skip
+    print(f"\n{'model':8} {'tensor':20} {'impl':26} M8/M1")
+    for q in ratios:
+        print(f"{q['model']:8} {q['name'][:20]:20} {q['impl'][:26]:26} {q['ratio_M8_M1']:.2f}")
+    if sweep_rows:
+        print("\nsweep (R, NSG, LPB): GB/s")
+        for r in sweep_rows:
+            print(f"  {r['model']} {r['name']} M={r['M']} {r.get('config')}: "
+                  + (f"{r['GBps']:.0f} ({100 * r['frac_copy']:.1f}%)" if "GBps" in r else r.get("error", "")))
+
+    backend = custom_kernels.backend()
+    date = datetime.datetime.now().strftime("%Y-%m-%d")
+    out = args.out or os.path.join(ROOT, "bench", "results", f"kernels-{backend}-{date}{'-quick' if args.quick else ''}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    doc = dict(
+        bench="bench/kernels.py", date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args),
+        hardware=hardware(), versions=dict(mlx=mx.__version__, numpy=np.__version__, python=platform.python_version()),
+        copy_bandwidth=copy, results=rows, ratios=ratios, sweep=sweep_rows, seconds=time.time() - t0,
+    )  # fmt: skip
+    with open(out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    print(f"\nwrote {out} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

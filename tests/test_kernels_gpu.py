@@ -1,0 +1,122 @@
+"""GPU tests: every quant_matvec kernel (Metal or CUDA, whichever this MLX build runs) against a
+float64 numpy result on the same GGUF blocks. Outputs are poisoned with NaN before each launch, so
+an element the kernel fails to write fails the test. Run with ``pytest -m gpu``."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import custom_kernels
+from custom_kernels import quant_matvec as qm
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(custom_kernels.backend() == "cpu", reason="no GPU backend (CPU-only MLX build)"),
+]
+
+NAN = float("nan")
+CONFIGS = [None, qm.KernelConfig(4, 2, 2), qm.KernelConfig(4, 4, 4), qm.KernelConfig(2, 1, 1),
+           qm.KernelConfig(3, 2, 2), qm.KernelConfig(8, 1, 4)]  # fmt: skip  (None = dispatch default)
+
+
+def _acts(rng, shape, dtype):
+    x = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    return x, np.array(x.astype(mx.float32)).astype(np.float64)
+
+
+def _check(out: mx.array, want: np.ndarray, bound: np.ndarray, dtype, what: str) -> None:
+    got = np.array(out.astype(mx.float32)).astype(np.float64)
+    assert not np.isnan(got).any(), f"{what}: {int(np.isnan(got).sum())} outputs never written"
+    rel = float((np.abs(got - want) / bound).max())
+    limit = 1e-5 if dtype == mx.float32 else 2**-8  # f32 accumulation; bf16 output rounding
+    assert rel <= limit, f"{what}: relative error {rel:.3g} > {limit:g}"
+
+
+@pytest.mark.parametrize("fmt,k", [("q4_0", 1056), ("q8_0", 1056), ("q6_k", 1280), ("q4_0", 5376)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_dense_kernels(fmt, k, dtype):
+    ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0, "q6_k": qm.Q6_K}[fmt]
+    rng = np.random.default_rng(10)
+    for n in (37, 1001):
+        raw = qm.random_blocks(rng, ggml_type, (n,), k)
+        w64 = qm.dequantize_f64(raw, ggml_type)
+        blocks = mx.array(raw)
+        for m in range(1, 9):
+            x, x64 = _acts(rng, (m, k), dtype)
+            want, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+            for cfg in CONFIGS if m in (1, 5, 8) else CONFIGS[:1]:
+                out = qm.launch_dense(x, blocks, ggml_type, n, config=cfg, init_value=NAN)
+                assert out.dtype == dtype and out.shape == (m, n)
+                _check(out, want, bound, dtype, f"{fmt} M={m} N={n} K={k} {cfg}")
+            # the public op (dispatch) and a second run agree bit for bit
+            again = qm.quant_matvec(x, blocks, ggml_type, n)
+            assert mx.array_equal(again, qm.launch_dense(x, blocks, ggml_type, n)).item()
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_gather_kernels(fmt, dtype, per_slot):
+    ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0}[fmt]
+    rng = np.random.default_rng(11)
+    experts, slots = 16, 8
+    for n, k in ((1408, 2816), (2816, 704), (37, 96)):  # 26B-A4B gate_up / down widths, odd tail
+        raw = qm.random_blocks(rng, ggml_type, (experts, n), k)
+        w64 = qm.dequantize_f64(raw, ggml_type)
+        blocks = mx.array(raw)
+        for m in (1, 3, 8):
+            ids = np.stack([rng.permutation(experts)[:slots] for _ in range(m)]).astype(np.int32)
+            x, x64 = _acts(rng, (m, slots, k) if per_slot else (m, k), dtype)
+            xs = x64 if per_slot else np.broadcast_to(x64[:, None], (m, slots, k))
+            want = np.einsum("msnk,msk->msn", w64[ids], xs)
+            bound = np.einsum("msnk,msk->msn", np.abs(w64[ids]), np.abs(xs))
+            for cfg in CONFIGS[:3]:
+                out = qm.launch_gather(x, mx.array(ids), blocks, ggml_type, n, config=cfg, init_value=NAN)
+                assert out.shape == (m, slots, n) and out.dtype == dtype
+                _check(out, want, bound, dtype, f"{fmt} gather M={m} N={n} K={k} {cfg}")
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gate_up_kernels(fmt, dtype):
+    ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0}[fmt]
+    rng = np.random.default_rng(12)
+    experts, slots = 16, 8
+    for f, k in ((704, 2816), (19, 160)):
+        raw = qm.random_blocks(rng, ggml_type, (experts, 2 * f), k)
+        w64 = qm.dequantize_f64(raw, ggml_type)
+        blocks = mx.array(raw)
+        for m in (1, 2, 8):
+            ids = np.stack([rng.permutation(experts)[:slots] for _ in range(m)]).astype(np.int32)
+            x, x64 = _acts(rng, (m, k), dtype)
+            gu = np.einsum("msnk,mk->msn", w64[ids], x64)
+            mag = np.einsum("msnk,mk->msn", np.abs(w64[ids]), np.abs(x64))
+            g, u = gu[..., :f], gu[..., f:]
+            want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
+            bound = (np.abs(g) + mag[..., :f]) * (np.abs(u) + mag[..., f:])
+            for cfg in CONFIGS[:3]:
+                out = qm.launch_gate_up(x, mx.array(ids), blocks, ggml_type, f, config=cfg, init_value=NAN)
+                assert out.shape == (m, slots, f) and out.dtype == dtype
+                _check(out, want, bound, dtype, f"{fmt} gate_up M={m} F={f} K={k} {cfg}")
+
+
+def test_gather_invalid_expert_gives_nan():
+    rng = np.random.default_rng(13)
+    blocks = mx.array(qm.random_blocks(rng, qm.Q4_0, (4, 40), 64))
+    x = mx.array(rng.standard_normal((1, 64)).astype(np.float32))
+    ids = mx.array(np.array([[1, 7, -1]], dtype=np.int32))  # 7 and -1 are not experts
+    out = np.array(qm.launch_gather(x, ids, blocks, qm.Q4_0, 40, init_value=0.0))
+    assert np.isfinite(out[0, 0]).all() and np.isnan(out[0, 1:]).all()
+
+
+def test_dispatch_uses_kernel_and_reference_switch(monkeypatch):
+    rng = np.random.default_rng(14)
+    raw = mx.array(qm.random_blocks(rng, qm.Q8_0, (300,), 512))
+    x = mx.array(rng.standard_normal((2, 4, 512)).astype(np.float32))  # M = 8 rows in [2, 4]
+    kernel = qm.q8_0_matvec(x, raw, 300)
+    monkeypatch.setenv(custom_kernels.KERNELS_ENV, "reference")
+    reference = qm.q8_0_matvec(x, raw, 300)
+    assert kernel.shape == reference.shape == (2, 4, 300)
+    np.testing.assert_allclose(np.array(kernel), np.array(reference), rtol=1e-4, atol=1e-4)
