@@ -15,6 +15,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+import uuid
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -88,8 +90,9 @@ def build(source: str, tag: str, flags: tuple[str, ...] = KERNEL_FLAGS) -> Path:
     src = out.with_suffix(".cpp")
     if out.exists():
         return out
-    tmp_src = src.with_name(f"{src.stem}.{os.getpid()}.tmp.cpp")
-    tmp_out = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")
+    unique = uuid.uuid4().hex[:12]  # several processes or threads may build the same library
+    tmp_src = src.with_name(f"{src.stem}.{unique}.tmp.cpp")
+    tmp_out = out.with_name(f"{out.stem}.{unique}.tmp.so")
     tmp_src.write_text(source)
     cmd = [cxx, *flags, f"-I{INCLUDE_DIR}", str(tmp_src), "-o", str(tmp_out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -102,16 +105,18 @@ def build(source: str, tag: str, flags: tuple[str, ...] = KERNEL_FLAGS) -> Path:
 
 
 _loaded: dict[Path, ctypes.CDLL] = {}
+_lock = threading.Lock()
 
 
 def load(path: Path, global_symbols: bool = False) -> ctypes.CDLL:
     """Load (once) a shared library built by ``build``."""
-    lib = _loaded.get(path)
-    if lib is None:
-        mode = ctypes.RTLD_GLOBAL if global_symbols else ctypes.RTLD_LOCAL
-        lib = ctypes.CDLL(str(path), mode=mode)
-        _loaded[path] = lib
-    return lib
+    with _lock:
+        lib = _loaded.get(path)
+        if lib is None:
+            mode = ctypes.RTLD_GLOBAL if global_symbols else ctypes.RTLD_LOCAL
+            lib = ctypes.CDLL(str(path), mode=mode)
+            _loaded[path] = lib
+        return lib
 
 
 def runtime_library() -> ctypes.CDLL:

@@ -48,7 +48,7 @@ def compare(kernel_name: str, output_name: str, out: np.ndarray, dtype: str, exp
         raise EmulatorError(kernel_name, "unwritten_output",
                             f"output '{output_name}'{where}: {len(idx)} of {out.size} elements still hold the "
                             f"poison pattern (never written, or computed from poison: a read of unwritten "
-                            f"threadgroup memory or out of bounds), first at index {tuple(idx[0])}")  # fmt: skip
+                            f"threadgroup memory or out of bounds), first at index {tuple(int(v) for v in idx[0])}")  # fmt: skip
     got = as_float64(out, dtype)
     with np.errstate(invalid="ignore"):
         ok = np.abs(got - exp) <= atol + rtol * np.abs(exp)
@@ -56,7 +56,7 @@ def compare(kernel_name: str, output_name: str, out: np.ndarray, dtype: str, exp
     ok |= (got == exp)  # equal infinities
     if not ok.all():
         bad = np.argwhere(~ok)
-        i = tuple(bad[0])
+        i = tuple(int(v) for v in bad[0])
         with np.errstate(invalid="ignore"):
             err = np.nanmax(np.where(ok, 0.0, np.abs(got - exp)))
         raise EmulatorError(kernel_name, "mismatch",

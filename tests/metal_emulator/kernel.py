@@ -170,17 +170,8 @@ class EmulatedKernel:
                              f"but got size {len(inputs)}.")  # fmt: skip
         if len(output_shapes) != len(self.output_names) or len(output_dtypes) != len(self.output_names):
             raise ValueError(f"[metal_kernel] Expected {len(self.output_names)} output shapes and dtypes.")
-        overrides = list(input_dtypes) if input_dtypes is not None else [None] * len(inputs)
-        arrays, names = [], []
-        for x, o in zip(inputs, overrides):
-            arr, dn = _as_array(x, o)
-            if self.ensure_row_contiguous and arr.ndim > 0:
-                arr = np.ascontiguousarray(arr)  # (ascontiguousarray would make a 0-d array 1-d)
-            arrays.append(arr)
-            names.append(dn)
+        arrays, gen = self._prepare_inputs(inputs, input_dtypes, output_dtypes, template)
         out_names = [dtypes.dtype_name(d) for d in output_dtypes]
-        infos = [mlx_source.InputInfo(dn, a.ndim, int(a.size)) for a, dn in zip(arrays, names)]
-        gen = self.generate(infos, out_names, template)
         if verbose:
             print(f"Generated source code for `{self.name}`:\n```\n{gen.text}\n```")
         lib = self.library(gen)
@@ -201,6 +192,27 @@ class EmulatedKernel:
                                         f"lane order (first at flat element {first}): a data race — a missing "
                                         f"threadgroup_barrier or lanes writing the same location")  # fmt: skip
         return runs[0]
+
+    def prepare(self, *, inputs: Sequence[Any], output_dtypes: Sequence[Any],
+                template: Sequence[tuple[str, Any]] | None = None,
+                input_dtypes: Sequence[str | None] | None = None) -> None:
+        """Compile (or find in the cache) the library a call with these arguments needs."""
+        _, gen = self._prepare_inputs(inputs, input_dtypes, output_dtypes, list(template or []))
+        self.library(gen)
+
+    def _prepare_inputs(self, inputs: Sequence[Any], input_dtypes: Sequence[str | None] | None,
+                        output_dtypes: Sequence[Any], template: Sequence[tuple[str, Any]]
+                        ) -> tuple[list[np.ndarray], mlx_source.GeneratedKernel]:  # fmt: skip
+        overrides = list(input_dtypes) if input_dtypes is not None else [None] * len(inputs)
+        arrays, names = [], []
+        for x, o in zip(inputs, overrides):
+            arr, dn = _as_array(x, o)
+            if self.ensure_row_contiguous and arr.ndim > 0:
+                arr = np.ascontiguousarray(arr)  # (ascontiguousarray would make a 0-d array 1-d)
+            arrays.append(arr)
+            names.append(dn)
+        infos = [mlx_source.InputInfo(dn, a.ndim, int(a.size)) for a, dn in zip(arrays, names)]
+        return arrays, self.generate(infos, [dtypes.dtype_name(d) for d in output_dtypes], template)
 
     def _run_once(self, fn: int, gen: mlx_source.GeneratedKernel, arrays: list[np.ndarray],
                   output_shapes: Sequence[Sequence[int]], out_names: list[str], grid: Sequence[int],
