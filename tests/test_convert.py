@@ -11,7 +11,6 @@ import sys
 import numpy as np
 import pytest
 
-from fixtures import *  # noqa: F401,F403  (pytest fixtures; conftest may import them too)
 from fixtures import GGUF_TYPES, REPO
 from gemma4_mlx import quants
 from gemma4_mlx.config import ModelConfig

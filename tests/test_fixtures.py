@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 
-from fixtures import *  # noqa: F401,F403  (pytest fixtures; conftest may import them too)
 from fixtures import _COMMON, GENERATION_CONFIG, VARIANT_CONFIGS, VARIANTS, discriminativeness, probe_ids
 
 
