@@ -375,3 +375,35 @@ def test_compiled_library_is_cached():
     assert build.build(tu, gen.function_name) == path
     assert time.perf_counter() - t0 < 0.5 and path.stat().st_mtime_ns == mtime
     assert build.build(tu + "\n", gen.function_name) != path  # any change is a new library
+
+
+def test_simdgroup_matrix_multiply_and_layout():
+    src = """
+      const uint sg = simdgroup_index_in_threadgroup;  // one 8-row block of the output per SIMD group
+      simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(1.0f);
+      for (int k = 0; k < K; k += 8) {
+        simdgroup_bfloat8x8 a;
+        simdgroup_float8x8 b;
+        simdgroup_load(a, A + sg * 8 * K + k, K);
+        simdgroup_load(b, Bt + k, K, ulong2(0, 0), true);  // B given transposed, [8, K]
+        simdgroup_multiply_accumulate(acc, a, b, acc);
+      }
+      simdgroup_store(acc, out + sg * 64, 8);
+      simdgroup_float8x8 eye(2.0f);
+      uint l = thread_index_in_simdgroup;
+      layout[sg * 64 + l * 2] = eye.thread_elements()[0];
+      layout[sg * 64 + l * 2 + 1] = eye.thread_elements()[1];
+    """
+    a = RNG.standard_normal((16, 24)).astype(np.float32)
+    a_bits = (a.view(np.uint32) >> 16).astype(np.uint16)
+    a_val = (a_bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    bt = RNG.standard_normal((8, 24)).astype(np.float32)
+    k = metal_kernel("sg_matmul", ["A", "Bt"], ["out", "layout"], src)
+    out, layout = k(inputs=[a_bits, bt], input_dtypes=["bfloat16", None], output_shapes=[(16, 8), (128,)],
+                    output_dtypes=["float32", "float32"], grid=(64, 1, 1), threadgroup=(64, 1, 1),
+                    template=[("K", 24)])  # fmt: skip
+    compare("sg_matmul", "out", out, "float32", a_val @ bt.T.astype(np.float64) + 1.0, 1e-5, 1e-5)
+    for lane in range(32):  # Apple's per-lane element layout, seen through the diagonal matrix
+        row = (lane // 4 & 4) + (lane // 2) % 4
+        col = (lane // 4 & 2) * 2 + (lane % 2) * 2
+        assert tuple(layout[2 * lane:2 * lane + 2]) == (2.0 * (row == col), 2.0 * (row == col + 1))

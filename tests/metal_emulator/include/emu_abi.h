@@ -54,6 +54,8 @@ const unsigned char* emu_simd_exchange(unsigned op, unsigned site, const void* v
 [[noreturn]]
 #endif
 void emu_fail(const char* check, const char* detail);
+// Thread-position attributes of the calling lane.
+const emu_thread_attrs* emu_current_attrs(void);
 // Generation counter: changes at the start of every threadgroup of every run.
 uint64_t emu_tg_generation(void);
 // Register one threadgroup variable (canaries around it are checked at barriers and at the end).

@@ -867,6 +867,133 @@ EMU_ATOMIC_RMW(atomic_fetch_max_explicit, metal::max(old, v))
 EMU_ATOMIC_RMW(atomic_fetch_min_explicit, metal::min(old, v))
 #undef EMU_ATOMIC_RMW
 
+// ---------------------------------------------------------------------------------------------
+// simdgroup_matrix<T, 8, 8>: each lane holds two elements in Apple's layout (the one MLX's steel
+// kernels rely on): lane l holds row (l/4 & 4) + (l/2 % 4), columns (l/4 & 2)*2 + (l%2)*2 and +1.
+// load/store/multiply are SIMD-group functions (synchronizing, arguments must be uniform);
+// products accumulate in float in k order, then round to the destination type.
+// ---------------------------------------------------------------------------------------------
+namespace emu {
+inline void sg_coord(unsigned lane, int& row, int& col) {
+  unsigned qid = lane / 4;
+  row = (int)((qid & 4) + ((lane / 2) % 4));
+  col = (int)((qid & 2) * 2 + (lane % 2) * 2);
+}
+struct matrix_io {
+  const void* ptr;
+  uint64_t elements_per_row, origin_x, origin_y;
+  uint32_t transpose;
+};
+template <class T>
+inline void require_uniform_value(const exchanged<T>& r, const char* what) {
+  packet<T> first = r.at(r.first());
+  for (unsigned l = 0; l < EMU_SIMD_WIDTH; ++l)
+    if (r.has(l)) {
+      packet<T> p = r.at(l);
+      if (memcmp(&p.value, &first.value, sizeof(T)) != 0) emu_fail("simd_nonuniform_argument", what);
+    }
+}
+}  // namespace emu
+
+template <class T, int Cols, int Rows>
+struct simdgroup_matrix {
+  static_assert(Cols == 8 && Rows == 8, "the emulator implements 8x8 simdgroup matrices only");
+  vec<T, 2> __e;
+  simdgroup_matrix() = default;
+  explicit simdgroup_matrix(T diagonal) {  // diagonal matrix
+    int r, c;
+    emu::sg_coord(emu_current_attrs()->thread_index_in_simdgroup, r, c);
+    __e[0] = r == c ? diagonal : T(0);
+    __e[1] = r == c + 1 ? diagonal : T(0);
+  }
+  vec<T, 2>& thread_elements() { return __e; }
+  const vec<T, 2>& thread_elements() const { return __e; }
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+
+template <class T, int Cols, int Rows>
+inline simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
+  simdgroup_matrix<T, Cols, Rows> m;
+  m.__e = vec<T, 2>(value);
+  return m;
+}
+
+template <class T, int Cols, int Rows>
+inline void simdgroup_load(simdgroup_matrix<T, Cols, Rows>& d, const T* src, ulong elements_per_row = Cols,
+                           ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
+                           unsigned __site = __builtin_LINE()) {
+  emu::matrix_io io{src, elements_per_row, matrix_origin.x, matrix_origin.y, transpose_matrix};
+  auto r = emu::exchange(emu::op_matrix_load, __site, io, 0u);
+  emu::require_uniform_value(r, "simdgroup_load: arguments differ between lanes");
+  int row, col;
+  emu::sg_coord(r.lane, row, col);
+  for (int k = 0; k < 2; ++k) {
+    int rr = transpose_matrix ? col + k : row, cc = transpose_matrix ? row : col + k;
+    d.__e[k] = src[(matrix_origin.y + rr) * elements_per_row + matrix_origin.x + cc];
+  }
+}
+template <class T, int Cols, int Rows>
+inline void simdgroup_store(const simdgroup_matrix<T, Cols, Rows>& a, T* dst, ulong elements_per_row = Cols,
+                            ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
+                            unsigned __site = __builtin_LINE()) {
+  emu::matrix_io io{dst, elements_per_row, matrix_origin.x, matrix_origin.y, transpose_matrix};
+  auto r = emu::exchange(emu::op_matrix_store, __site, io, 0u);
+  emu::require_uniform_value(r, "simdgroup_store: arguments differ between lanes");
+  int row, col;
+  emu::sg_coord(r.lane, row, col);
+  for (int k = 0; k < 2; ++k) {
+    int rr = transpose_matrix ? col + k : row, cc = transpose_matrix ? row : col + k;
+    dst[(matrix_origin.y + rr) * elements_per_row + matrix_origin.x + cc] = a.__e[k];
+  }
+}
+
+namespace emu {
+template <class A, class B, class C>
+struct mac_operands {
+  vec<A, 2> a;
+  vec<B, 2> b;
+  vec<C, 2> c;
+};
+template <class D, class A, class B, class C>
+inline void matrix_mac(simd_op op, unsigned site, vec<D, 2>& d, const vec<A, 2>& a, const vec<B, 2>& b,
+                       const vec<C, 2>& c, bool accumulate) {
+  auto r = exchange(op, site, mac_operands<A, B, C>{a, b, c}, 0u);
+  if (r.active != 0xFFFFFFFFu) emu_fail("simd_divergence", "simdgroup matrix multiply needs all 32 lanes");
+  float fa[8][8], fb[8][8], fc[8][8];
+  for (unsigned l = 0; l < EMU_SIMD_WIDTH; ++l) {
+    int row, col;
+    sg_coord(l, row, col);
+    mac_operands<A, B, C> m = r.at(l).value;
+    for (int k = 0; k < 2; ++k) {
+      fa[row][col + k] = float(m.a[k]);
+      fb[row][col + k] = float(m.b[k]);
+      fc[row][col + k] = float(m.c[k]);
+    }
+  }
+  int row, col;
+  sg_coord(r.lane, row, col);
+  for (int k = 0; k < 2; ++k) {
+    float acc = 0.0f;
+    for (int j = 0; j < 8; ++j) acc += fa[row][j] * fb[j][col + k];
+    d[k] = D(accumulate ? acc + fc[row][col + k] : acc);
+  }
+}
+}  // namespace emu
+
+template <class D, class A, class B, class C>
+inline void simdgroup_multiply_accumulate(simdgroup_matrix<D, 8, 8>& d, const simdgroup_matrix<A, 8, 8>& a,
+                                          const simdgroup_matrix<B, 8, 8>& b, const simdgroup_matrix<C, 8, 8>& c,
+                                          unsigned __site = __builtin_LINE()) {
+  emu::matrix_mac(emu::op_matrix_mac, __site, d.__e, a.__e, b.__e, c.__e, true);
+}
+template <class D, class A, class B>
+inline void simdgroup_multiply(simdgroup_matrix<D, 8, 8>& d, const simdgroup_matrix<A, 8, 8>& a,
+                               const simdgroup_matrix<B, 8, 8>& b, unsigned __site = __builtin_LINE()) {
+  emu::matrix_mac(emu::op_matrix_mul, __site, d.__e, a.__e, b.__e, a.__e, false);
+}
+
 #undef EMU_FLOAT_TYPES
 }  // namespace metal
 

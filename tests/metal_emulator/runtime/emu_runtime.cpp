@@ -407,6 +407,12 @@ void emu_fail(const char* check, const char* detail) {
 
 uint64_t emu_tg_generation(void) { return g_generation; }
 
+const emu_thread_attrs* emu_current_attrs(void) {
+  Run& r = *g_run;
+  if (r.current < 0) emu_fail("internal", "emu_current_attrs called outside a lane");
+  return &r.lanes[r.current].attrs;
+}
+
 void emu_tg_register(const char* name, const unsigned char* pre, size_t pre_bytes, const unsigned char* post,
                      size_t post_bytes, size_t data_bytes) {
   Run& r = *g_run;
