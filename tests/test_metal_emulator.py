@@ -407,3 +407,9 @@ def test_simdgroup_matrix_multiply_and_layout():
         row = (lane // 4 & 4) + (lane // 2) % 4
         col = (lane // 4 & 2) * 2 + (lane % 2) * 2
         assert tuple(layout[2 * lane:2 * lane + 2]) == (2.0 * (row == col), 2.0 * (row == col + 1))
+
+
+def test_endless_loop_times_out():
+    src = "uint i = 0; while (x[i % 2] > 0.0f) { i += 2; } out[0] = float(i);"  # spins forever
+    with raises("spin", "timeout"):
+        run("spin", src, {"x": np.ones(2, np.float32)}, (1,), (1, 1, 1), (1, 1, 1), timeout_s=0.3)

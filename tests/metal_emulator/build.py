@@ -94,7 +94,8 @@ def build(source: str, tag: str, flags: tuple[str, ...] = KERNEL_FLAGS) -> Path:
     tmp_src = src.with_name(f"{src.stem}.{unique}.tmp.cpp")
     tmp_out = out.with_name(f"{out.stem}.{unique}.tmp.so")
     tmp_src.write_text(source)
-    cmd = [cxx, *flags, f"-I{INCLUDE_DIR}", str(tmp_src), "-o", str(tmp_out)]
+    pch = [f"-I{_precompiled_shim(cxx, flags)}"] if flags == KERNEL_FLAGS else []
+    cmd = [cxx, *flags, *pch, f"-I{INCLUDE_DIR}", str(tmp_src), "-o", str(tmp_out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     os.replace(tmp_src, src)
     if proc.returncode != 0:
@@ -102,6 +103,28 @@ def build(source: str, tag: str, flags: tuple[str, ...] = KERNEL_FLAGS) -> Path:
         raise BuildError(proc.stderr.replace(str(tmp_src), str(src)), src)
     os.replace(tmp_out, out)
     return out
+
+
+def _precompiled_shim(cxx: str, flags: tuple[str, ...]) -> Path:
+    """Directory holding metal_emu.h.gch for ``flags`` (built once; saves ~1/3 of each compile).
+
+    It is searched before the include directory; GCC ignores a PCH that does not match and then
+    reads the header itself, so a stale PCH cannot change results."""
+    h = hashlib.sha256((" ".join(flags) + _compiler_identity(cxx) + _shim_digest()).encode()).hexdigest()[:16]
+    d = cache_dir() / f"pch-{h}"
+    gch = d / "metal_emu.h.gch"
+    if not gch.exists():
+        d.mkdir(exist_ok=True)
+        tmp = d / f"metal_emu.h.{uuid.uuid4().hex[:12]}.tmp"
+        pch_flags = [f for f in flags if f != "-shared"]
+        proc = subprocess.run([cxx, *pch_flags, f"-I{INCLUDE_DIR}", "-x", "c++-header",
+                               str(INCLUDE_DIR / "metal_emu.h"), "-o", str(tmp)],
+                              capture_output=True, text=True)  # fmt: skip
+        if proc.returncode == 0:
+            os.replace(tmp, gch)
+        else:  # compile without it; the kernel build will report the header's errors
+            tmp.unlink(missing_ok=True)
+    return d
 
 
 _loaded: dict[Path, ctypes.CDLL] = {}
@@ -121,5 +144,5 @@ def load(path: Path, global_symbols: bool = False) -> ctypes.CDLL:
 
 def runtime_library() -> ctypes.CDLL:
     """The emulator runtime (scheduler, buffers, fault handling), built and loaded globally."""
-    path = build(RUNTIME_SOURCE.read_text(), "emu_runtime", RUNTIME_FLAGS + (f"-I{INCLUDE_DIR}",))
+    path = build(RUNTIME_SOURCE.read_text(), "emu_runtime", RUNTIME_FLAGS)
     return load(path, global_symbols=True)

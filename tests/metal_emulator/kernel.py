@@ -37,7 +37,7 @@ def _runtime() -> ctypes.CDLL:
         lib.emu_buffer_free.argtypes = [ctypes.c_void_p]
         lib.emu_run.restype = ctypes.c_int
         lib.emu_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
-                                ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_int,
+                                ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_int, ctypes.c_double,
                                 ctypes.c_char_p, ctypes.c_size_t]  # fmt: skip
         lib._emu_typed = True
     return lib
@@ -155,13 +155,15 @@ class EmulatedKernel:
                  output_dtypes: Sequence[Any], grid: Sequence[int], threadgroup: Sequence[int],
                  template: Sequence[tuple[str, Any]] | None = None, init_value: float | None = None,
                  verbose: bool = False, stream: Any = None, input_dtypes: Sequence[str | None] | None = None,
-                 check_lane_order: bool | None = None, exited_lanes_in_simd_ok: bool = False) -> list[np.ndarray]:
+                 check_lane_order: bool | None = None, exited_lanes_in_simd_ok: bool = False,
+                 timeout_s: float = 60.0) -> list[np.ndarray]:
         """Run the kernel; returns the outputs as numpy arrays (bfloat16 as uint16 bits).
 
         input_dtypes: per-input MLX dtype name overrides (needed for bfloat16 given as uint16).
         check_lane_order: require bit-identical outputs from forward and reverse lane order
         (default: on unless the kernel uses atomics). exited_lanes_in_simd_ok: let lanes that
         returned early sit out SIMD-group functions (valid Metal, a bug on CUDA; default off).
+        timeout_s: CPU seconds one run may take before it fails with check "timeout".
         """
         del stream
         template = list(template or [])
@@ -181,7 +183,7 @@ class EmulatedKernel:
         runs = []
         for reverse in (False, True):
             runs.append(self._run_once(fn, gen, arrays, output_shapes, out_names, grid, threadgroup,
-                                       init_value, reverse, exited_lanes_in_simd_ok))  # fmt: skip
+                                       init_value, reverse, exited_lanes_in_simd_ok, timeout_s))  # fmt: skip
         if check_lane_order:
             for i, (a, b) in enumerate(zip(*runs)):
                 if a.tobytes() != b.tobytes():
@@ -217,7 +219,7 @@ class EmulatedKernel:
     def _run_once(self, fn: int, gen: mlx_source.GeneratedKernel, arrays: list[np.ndarray],
                   output_shapes: Sequence[Sequence[int]], out_names: list[str], grid: Sequence[int],
                   threadgroup: Sequence[int], init_value: float | None, reverse: bool,
-                  exited_ok: bool) -> list[np.ndarray]:  # fmt: skip
+                  exited_ok: bool, timeout_s: float) -> list[np.ndarray]:  # fmt: skip
         rt = _runtime()
         bufs: list[_Arg] = []
         outputs = [np.empty(tuple(s), dtype=dtypes.DTYPES[d].storage) for s, d in zip(output_shapes, out_names)]
@@ -263,8 +265,8 @@ class EmulatedKernel:
             g = (ctypes.c_uint32 * 3)(*[int(v) for v in grid])
             t = (ctypes.c_uint32 * 3)(*[int(v) for v in threadgroup])
             err = ctypes.create_string_buffer(4096)
-            rc = rt.emu_run(fn, ctypes.cast(argv, ctypes.c_void_p), g, t, int(reverse), int(exited_ok), err,
-                            len(err))  # fmt: skip
+            rc = rt.emu_run(fn, ctypes.cast(argv, ctypes.c_void_p), g, t, int(reverse), int(exited_ok),
+                            float(timeout_s), err, len(err))  # fmt: skip
             order = "reverse" if reverse else "forward"
             if rc != 0:
                 check, _, detail = err.value.decode(errors="replace").partition("\t")

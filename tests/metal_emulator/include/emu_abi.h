@@ -69,9 +69,10 @@ void emu_buffer_protect_readonly(void* data);
 // start; negative = before it) of the first damaged byte.
 int emu_buffer_check(void* data, long long* offset);
 void emu_buffer_free(void* data);
-// Run the whole grid. Returns 0 or nonzero with "check\tdetail" in err.
+// Run the whole grid (lanes and threadgroups in reverse order if `reverse`), at most `cpu_seconds`
+// of CPU time (0: no limit). Returns 0, or nonzero with "check\tdetail" in err.
 int emu_run(emu_lane_fn fn, void* const* args, const uint32_t grid[3], const uint32_t threadgroup[3],
-            int reverse, int exited_lanes_in_simd_ok, char* err, size_t errlen);
+            int reverse, int exited_lanes_in_simd_ok, double cpu_seconds, char* err, size_t errlen);
 
 #ifdef __cplusplus
 }

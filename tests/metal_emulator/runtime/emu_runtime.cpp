@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <ucontext.h>
 #include <unistd.h>
 
@@ -364,6 +365,43 @@ struct SignalGuard {
 };
 constexpr int SignalGuard::kSignals[4];
 
+// CPU-time limit for one run: a timer on this thread's CPU clock raising SIGVTALRM in this thread
+// (lanes are never preempted, so an endless loop or a spin-wait on another lane would hang).
+struct CpuTimer {
+  timer_t id;
+  bool created = false;
+  struct sigaction old;
+  explicit CpuTimer(double seconds) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_signal;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGVTALRM, &sa, &old);
+    if (seconds <= 0) return;
+    struct sigevent sev;
+    memset(&sev, 0, sizeof sev);
+    sev.sigev_notify = SIGEV_THREAD_ID;
+    sev.sigev_signo = SIGVTALRM;
+    sev._sigev_un._tid = (pid_t)gettid();
+    created = timer_create(CLOCK_THREAD_CPUTIME_ID, &sev, &id) == 0;
+    limit = seconds;
+  }
+  void arm() {
+    if (!created) return;
+    struct itimerspec its;
+    memset(&its, 0, sizeof its);
+    its.it_value.tv_sec = (time_t)limit;
+    its.it_value.tv_nsec = (long)((limit - (double)(time_t)limit) * 1e9);
+    timer_settime(id, 0, &its, nullptr);
+  }
+  ~CpuTimer() {
+    if (created) timer_delete(id);
+    sigaction(SIGVTALRM, &old, nullptr);
+  }
+  double limit = 0;
+};
+
 }  // namespace
 
 extern "C" {
@@ -483,7 +521,7 @@ void emu_buffer_free(void* data) {
 }
 
 int emu_run(emu_lane_fn fn, void* const* args, const uint32_t grid[3], const uint32_t threadgroup[3],
-            int reverse, int exited_lanes_in_simd_ok, char* err, size_t errlen) {
+            int reverse, int exited_lanes_in_simd_ok, double cpu_seconds, char* err, size_t errlen) {
   Run r;
   r.fn = fn;
   r.args = args;
@@ -513,7 +551,9 @@ int emu_run(emu_lane_fn fn, void* const* args, const uint32_t grid[3], const uin
   g_run = &r;
   g_sig = 0;
   SignalGuard guard;
+  CpuTimer timer(cpu_seconds);
   if (sigsetjmp(r.jmp, 1) == 0) {
+    timer.arm();
     for (uint64_t k = 0; k < total_groups && !r.failed; ++k) {
       uint64_t gi = reverse ? total_groups - 1 - k : k;
       uint32_t gp[3] = {(uint32_t)(gi % ngroups[0]), (uint32_t)((gi / ngroups[0]) % ngroups[1]),
@@ -573,6 +613,10 @@ int emu_run(emu_lane_fn fn, void* const* args, const uint32_t grid[3], const uin
     } else if (sig == SIGILL) {
       set_failure(r, "array_bounds",
                   "index outside a fixed-size array (thread or threadgroup storage; bounds trap)" + who);
+    } else if (sig == SIGVTALRM) {
+      set_failure(r, "timeout",
+                  fmt("more than %.3g s of CPU time: an endless loop, or a spin-wait on another thread "
+                      "(lanes run one at a time, without preemption)", cpu_seconds) + who);
     } else if (sig == SIGFPE) {
       set_failure(r, "integer_division", "integer division by zero" + who);
     } else {
