@@ -20,7 +20,6 @@ fields, tool-call argument strings, tool results) is encoded as plain text. See 
 from __future__ import annotations
 
 import codecs
-import copy
 import json
 import os
 import re
@@ -155,40 +154,62 @@ def gemma4_tokenizer_json(tokens: Sequence[str], merges: Iterable[tuple[str, str
             "type": "BPE", "dropout": None, "unk_token": unk_token, "continuing_subword_prefix": None,
             "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
             "vocab": vocab,
-            "merges": [[left, right] for left, right in merges],
+            "merges": [(left, right) for left, right in merges],
         },
     }
 
 
-def _merge_pairs(merges: Iterable[Any]) -> list[tuple[str, str]]:
+def _merge_pairs(merges: Sequence[Any]) -> list[tuple[str, str]]:
     """tokenizer.json / GGUF merges ("a b" strings or [a, b] pairs) as (a, b) tuples."""
-    pairs = []
-    for m in merges:
-        if isinstance(m, str):
-            parts = m.split(" ")
-            if len(parts) != 2:
-                raise ValueError(f"merge {m!r} is not two space-separated tokens")
-            pairs.append((parts[0], parts[1]))
-        else:
-            left, right = m
-            pairs.append((str(left), str(right)))
-    return pairs
+    try:
+        if merges and isinstance(merges[0], str):
+            pairs = [tuple(m.split(" ")) for m in merges]
+            if any(len(p) != 2 for p in pairs):
+                raise ValueError
+            return pairs  # type: ignore[return-value]
+        return [(a, b) for a, b in merges]
+    except (ValueError, TypeError, AttributeError):
+        bad = next(m for m in merges if not (len(m.split(" ") if isinstance(m, str) else m) == 2))
+        raise ValueError(f"merge {bad!r} is not a pair of tokens") from None
 
 
-def _plain_json(full: dict) -> dict:
-    """tokenizer.json for plain-text encoding: special added tokens removed, their strings unreachable by BPE."""
-    plain = copy.copy(full)
-    model = dict(full["model"])
-    special = {t["content"] for t in full["added_tokens"] if t["special"]}
-    keep = {model.get("unk_token")}  # unk must stay in the vocabulary; with full byte fallback it is never used
-    removed = special - keep
-    model["vocab"] = {tok: i for tok, i in model["vocab"].items() if tok not in removed}
-    model["merges"] = [[a, b] for a, b in _merge_pairs(model["merges"])
-                       if a not in removed and b not in removed and a + b not in special]
-    plain["model"] = model
-    plain["added_tokens"] = [t for t in full["added_tokens"] if not t["special"]]
-    plain["post_processor"] = None
-    return plain
+def _build_backend(spec: dict, merges: list[tuple[str, str]], drop_vocab: frozenset[str] = frozenset(),
+                   with_special_tokens: bool = True) -> tokenizers.Tokenizer:
+    """A `tokenizers.Tokenizer` for the tokenizer.json dict `spec` (its pipeline, BPE model, added tokens).
+
+    The BPE model is built through the Python API (much faster than parsing a 262k-token JSON); if the added
+    tokens do not get their ids that way, the whole dict is parsed instead. drop_vocab: strings removed from
+    the BPE vocabulary (with the merges that use or produce them); with_special_tokens=False leaves special
+    added tokens out.
+    """
+    model = spec["model"]
+    vocab = model["vocab"]
+    if drop_vocab:
+        vocab = {t: i for t, i in vocab.items() if t not in drop_vocab}
+        merges = [(a, b) for a, b in merges if a not in drop_vocab and b not in drop_vocab and a + b not in drop_vocab]
+    added = [t for t in sorted(spec.get("added_tokens", []), key=lambda t: t["id"])
+             if with_special_tokens or not t["special"]]
+    shell = {k: v for k, v in spec.items() if k not in ("model", "added_tokens")}
+    shell["added_tokens"] = []
+    shell["model"] = {k: v for k, v in model.items() if k not in ("vocab", "merges")} | {"vocab": {}, "merges": []}
+    backend = tokenizers.Tokenizer.from_str(json.dumps(shell))
+    options = {k: model[k] for k in ("unk_token", "dropout", "continuing_subword_prefix", "end_of_word_suffix")
+               if model.get(k) is not None}
+    backend.model = tokenizers.models.BPE(vocab=vocab, merges=merges, byte_fallback=bool(model.get("byte_fallback")),
+                                          fuse_unk=bool(model.get("fuse_unk")),
+                                          ignore_merges=bool(model.get("ignore_merges")), **options)
+
+    def added_token(t: dict) -> tokenizers.AddedToken:
+        return tokenizers.AddedToken(t["content"], single_word=t.get("single_word", False),
+                                     lstrip=t.get("lstrip", False), rstrip=t.get("rstrip", False),
+                                     normalized=t.get("normalized", not t["special"]), special=t["special"])
+
+    backend.add_special_tokens([added_token(t) for t in added if t["special"]])
+    backend.add_tokens([added_token(t) for t in added if not t["special"]])
+    if any(backend.token_to_id(t["content"]) != t["id"] for t in added):
+        exact = dict(spec, added_tokens=added, model=dict(model, vocab=vocab, merges=[list(m) for m in merges]))
+        backend = tokenizers.Tokenizer.from_str(json.dumps(exact))
+    return backend
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,6 +385,12 @@ def _as_int(value: Any) -> int:
     return int(np.asarray(value).reshape(-1)[0]) if not isinstance(value, (int, np.integer)) else int(value)
 
 
+def _as_str_list(value: Any) -> list[str]:
+    if isinstance(value, list) and all(type(v) is str for v in value):
+        return value
+    return [_as_str(v) for v in (value if isinstance(value, (list, tuple)) else np.asarray(value).reshape(-1))]
+
+
 def _as_str(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, (bytes, bytearray)) else str(value)
 
@@ -376,9 +403,7 @@ class Tokenizer:
     """
 
     def __init__(self, tokenizer_json: dict, *, bos_id: int | None = None, eos_id: int | None = None,
-                 eos_ids: Iterable[int] = (), chat_template: str | None = None,
-                 _full: tokenizers.Tokenizer | None = None):
-        self._json = tokenizer_json
+                 eos_ids: Iterable[int] = (), chat_template: str | None = None):
         model = tokenizer_json["model"]
         if model.get("type") != "BPE":
             raise ValueError(f"expected a BPE tokenizer.json, got model type {model.get('type')!r}")
@@ -405,8 +430,7 @@ class Tokenizer:
                 if m and int(i) not in self._special_ids:
                     self._byte_ids[int(i)] = int(m.group(1), 16)
 
-        self._full = _full if _full is not None else tokenizers.Tokenizer.from_str(json.dumps(tokenizer_json))
-        self._plain = tokenizers.Tokenizer.from_str(json.dumps(_plain_json(tokenizer_json)))
+        self._plain = self._plain_backend(tokenizer_json, self._merges, self._special_ids)
         self._special_by_text = {self._tokens[i]: i for i in sorted(self._special_ids, reverse=True)}
         self._special_lengths = sorted({len(s) for s in self._special_by_text}, reverse=True)
         self._special_first = re.compile("[" + "".join(sorted({re.escape(s[0]) for s in self._special_by_text
@@ -426,6 +450,18 @@ class Tokenizer:
 
     # ---- construction -------------------------------------------------------------------------
 
+    @staticmethod
+    def _plain_backend(spec: dict, merges: list[tuple[str, str]], special_ids: Iterable[int]) -> tokenizers.Tokenizer:
+        """The plain-text encoder: special added tokens are never matched and BPE can never produce them."""
+        special = {t["content"] for t in spec["added_tokens"] if t["id"] in special_ids}
+        if not any(a + b in special for a, b in merges):
+            # No merge builds a special string (they are multi-character), so BPE alone cannot emit one.
+            backend = _build_backend(spec, merges)
+            backend.encode_special_tokens = True
+            return backend
+        keep = {spec["model"].get("unk_token")}  # must stay; with complete byte fallback it is never used
+        return _build_backend(spec, merges, drop_vocab=frozenset(special - keep), with_special_tokens=False)
+
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """From GGUF `tokenizer.ggml.*` keys (tokens, merges, token_type, ids) and `tokenizer.chat_template`.
@@ -438,8 +474,8 @@ class Tokenizer:
             raise ValueError(f"tokenizer.ggml.model {model_name!r} is not a Gemma-style BPE")
         if "tokenizer.ggml.merges" not in metadata:
             raise ValueError("GGUF metadata has no tokenizer.ggml.merges: cannot build the BPE")
-        tokens = [_as_str(t) for t in _as_list(metadata["tokenizer.ggml.tokens"])]
-        merges = _merge_pairs(_as_str(m) for m in _as_list(metadata["tokenizer.ggml.merges"]))
+        tokens = _as_str_list(metadata["tokenizer.ggml.tokens"])
+        merges = _merge_pairs(_as_str_list(metadata["tokenizer.ggml.merges"]))
         if "tokenizer.ggml.token_type" in metadata:
             types = [int(t) for t in _as_list(metadata["tokenizer.ggml.token_type"])]
         else:
@@ -460,7 +496,7 @@ class Tokenizer:
         unk_token = tokens[unk] if 0 <= unk < len(tokens) else "<unk>"
         bos_token = tokens[bos] if 0 <= bos < len(tokens) else "<bos>"
         full = gemma4_tokenizer_json(tokens, merges, special, bos_token=bos_token, unk_token=unk_token)
-        newline_runs = cls._unreachable_newline_runs(full, tokens, types)
+        newline_runs = cls._unreachable_newline_runs(tokens, types, merges)
         if newline_runs:
             full = gemma4_tokenizer_json(tokens, merges, special, plain_added_ids=newline_runs,
                                          bos_token=bos_token, unk_token=unk_token)
@@ -469,14 +505,17 @@ class Tokenizer:
                    chat_template=_as_str(template) if template is not None else None)
 
     @staticmethod
-    def _unreachable_newline_runs(full: dict, tokens: list[str], types: list[int]) -> list[int]:
-        """Ids of the newline-run tokens if some run of two or more newlines is a token BPE cannot produce."""
-        runs = [i for i, t in enumerate(tokens) if t and set(t) == {"\n"} and types[i] in (TOKEN_NORMAL,)]
+    def _unreachable_newline_runs(tokens: list[str], types: list[int], merges: list[tuple[str, str]]) -> list[int]:
+        """Ids of the newline-run tokens if some run of two or more newlines is a token no BPE merge path builds
+        (BPE over a newline run can only use merges of newline runs, so a small BPE settles the question)."""
+        runs = [i for i, t in enumerate(tokens) if t and types[i] == TOKEN_NORMAL and not t.strip("\n")]
         long_runs = [i for i in runs if len(tokens[i]) >= 2]
         if not long_runs:
             return []
-        plain = tokenizers.Tokenizer.from_str(json.dumps(_plain_json(full)))
-        encoded = plain.encode_batch([tokens[i] for i in long_runs], add_special_tokens=False)
+        run_tokens = {tokens[i]: i for i in reversed(runs)}
+        run_merges = [(a, b) for a, b in merges if a in run_tokens and b in run_tokens and a + b in run_tokens]
+        bpe = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=run_tokens, merges=run_merges))
+        encoded = bpe.encode_batch([tokens[i] for i in long_runs], add_special_tokens=False)
         if all(e.ids == [i] for e, i in zip(encoded, long_runs)):
             return []
         return runs
@@ -500,13 +539,13 @@ class Tokenizer:
         elif isinstance(config.get("chat_template"), list):  # [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in config["chat_template"]}
             template = named.get("default")
-        full = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        ids = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
 
         def token_id(name: str) -> int | None:
             value = config.get(name)
             if isinstance(value, Mapping):
                 value = value.get("content")
-            return full.token_to_id(value) if isinstance(value, str) else None
+            return ids.get(value, data["model"]["vocab"].get(value)) if isinstance(value, str) else None
 
         eos_ids: list[int] = []
         if (path / "generation_config.json").is_file():
@@ -515,7 +554,7 @@ class Tokenizer:
             eos = gen.get("eos_token_id")
             eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
         return cls(data, bos_id=token_id("bos_token"), eos_id=token_id("eos_token"), eos_ids=eos_ids,
-                   chat_template=template, _full=full)
+                   chat_template=template)
 
     def to_gguf_metadata(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(metadata, metadata_types) for the `tokenizer.*` keys of a gemma4 GGUF (gemma4-spec §7.6).
@@ -605,11 +644,6 @@ class Tokenizer:
 
     def token_to_id(self, s: str) -> int | None:
         return self._token_ids.get(s)
-
-    @property
-    def backend(self) -> tokenizers.Tokenizer:
-        """The `tokenizers` object with special-token parsing (what HF's encode uses)."""
-        return self._full
 
     def _bytes_table(self) -> list[bytes]:
         if self._bytes_cache is None:
