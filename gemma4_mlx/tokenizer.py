@@ -71,7 +71,7 @@ _GGUF_U32, _GGUF_I32, _GGUF_F32, _GGUF_BOOL, _GGUF_STRING, _GGUF_ARRAY = 4, 5, 6
 _BYTE_TOKEN_RE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _CHAT_TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 # Message fields whose strings are conversation text (never markup).
-_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "thinking")
+_TEXT_FIELDS = ("content", "reasoning_content", "thinking", "reasoning")
 
 
 def reserved_gemma4_tokens() -> list[str]:
@@ -173,20 +173,20 @@ def _merge_pairs(merges: Sequence[Any]) -> list[tuple[str, str]]:
         raise ValueError(f"merge {bad!r} is not a pair of tokens") from None
 
 
-def _build_backend(spec: dict, merges: list[tuple[str, str]], drop_vocab: frozenset[str] = frozenset(),
-                   with_special_tokens: bool = True) -> tokenizers.Tokenizer:
+def _build_backend(spec: dict, merges: list[tuple[str, str]], blocked: frozenset[str] = frozenset(),
+                   keep_vocab: frozenset[str] = frozenset(), with_special_tokens: bool = True) -> tokenizers.Tokenizer:
     """A `tokenizers.Tokenizer` for the tokenizer.json dict `spec` (its pipeline, BPE model, added tokens).
 
     The BPE model is built through the Python API (much faster than parsing a 262k-token JSON); if the added
-    tokens do not get their ids that way, the whole dict is parsed instead. drop_vocab: strings removed from
-    the BPE vocabulary (with the merges that use or produce them); with_special_tokens=False leaves special
-    added tokens out.
+    tokens do not get their ids that way, the whole dict is parsed instead. blocked: strings BPE must never
+    produce: removed from the vocabulary (except those in keep_vocab) with every merge that uses or builds
+    them. with_special_tokens=False leaves the special added tokens out.
     """
     model = spec["model"]
     vocab = model["vocab"]
-    if drop_vocab:
-        vocab = {t: i for t, i in vocab.items() if t not in drop_vocab}
-        merges = [(a, b) for a, b in merges if a not in drop_vocab and b not in drop_vocab and a + b not in drop_vocab]
+    if blocked:
+        vocab = {t: i for t, i in vocab.items() if t not in blocked or t in keep_vocab}
+        merges = [(a, b) for a, b in merges if a not in blocked and b not in blocked and a + b not in blocked]
     added = [t for t in sorted(spec.get("added_tokens", []), key=lambda t: t["id"])
              if with_special_tokens or not t["special"]]
     shell = {k: v for k, v in spec.items() if k not in ("model", "added_tokens")}
@@ -304,6 +304,19 @@ def _pick_sentinels(*values: Any) -> tuple[str, str]:
     except StopIteration:  # every BMP private-use character is in the input: use the supplementary planes
         free = (chr(cp) for cp in range(0xFFFFD, 0xEFFFF, -1) if chr(cp) not in used)
         return next(free), next(free)
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _template_message(message: Mapping) -> dict:
+    """A message as transformers hands it to templates: keys with None dropped; reasoning under
+    `reasoning_content` and (unless set) `thinking` too."""
+    out = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((out[k] for k in _REASONING_FIELDS if k in out), None)
+    if reasoning is not None:
+        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
+    return out
 
 
 def _marks_consistent(marked: str, rendered: str, open_mark: str, close_mark: str) -> bool:
@@ -459,8 +472,8 @@ class Tokenizer:
             backend = _build_backend(spec, merges)
             backend.encode_special_tokens = True
             return backend
-        keep = {spec["model"].get("unk_token")}  # must stay; with complete byte fallback it is never used
-        return _build_backend(spec, merges, drop_vocab=frozenset(special - keep), with_special_tokens=False)
+        unk = frozenset({spec["model"].get("unk_token")})  # must stay; with full byte fallback it is never used
+        return _build_backend(spec, merges, blocked=frozenset(special), keep_vocab=unk, with_special_tokens=False)
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
@@ -720,8 +733,10 @@ class Tokenizer:
                             **template_kwargs: Any) -> list[int] | str:
         """Render messages with the chat template; ids (tokenize=True) or the exact rendered string.
 
-        Template variables: messages (keys whose value is None dropped, as transformers does), bos_token,
-        eos_token, pad_token, unk_token, add_generation_prompt, enable_thinking, tools, **template_kwargs.
+        Template variables, as transformers passes them: messages (keys whose value is None dropped, reasoning
+        also under `reasoning_content`/`thinking`), bos_token, eos_token, pad_token, unk_token, mask_token,
+        documents (None), add_generation_prompt, enable_thinking, tools (JSON-schema dicts), **template_kwargs.
+        chat_template overrides the tokenizer's template for this call.
 
         Tokenizing, user text is never parsed into control tokens: every conversation string (message
         content and text parts, reasoning fields, tool-call arguments, tool results) is rendered wrapped in
@@ -736,14 +751,18 @@ class Tokenizer:
         """
         source = chat_template if chat_template is not None else self.chat_template
         template = self._template(source)
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        messages = [_template_message(m) for m in messages]
         variables: dict[str, Any] = {
             "bos_token": self._token_text(self.bos_id) or "",
             "eos_token": self._token_text(self.eos_id) or "",
             "pad_token": self._token_text(self._token_ids.get("<pad>", 0)) or "",
             "unk_token": self._token_text(self._token_ids.get("<unk>", 3)) or "",
+            "mask_token": self._token_text(self._token_ids.get("<mask>", 4)) or "",
+            "documents": None,
             **template_kwargs,
         }
+        if tools is not None and not all(isinstance(t, Mapping) for t in tools):
+            raise TypeError("tools must be JSON-schema dicts ({'type': 'function', 'function': {...}})")
         variables.update(add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, tools=tools)
         rendered = template.render(messages=messages, **variables)
         if not tokenize:

@@ -215,3 +215,20 @@ def test_content_inspecting_template_warns_but_stays_safe(tok):
     with pytest.warns(UserWarning, match="inspects content"):
         ids = other.apply_chat_template(messages)
     assert ids.count(106) == 1 and ids.count(105) == 1
+
+
+def test_reasoning_fields_and_template_override(tok, hf_tok):
+    template = ("{% for m in messages %}[{{ m.role }}|{{ m.thinking }}|{{ m.reasoning_content }}]"
+                "{{ m.content }}<turn|>{% endfor %}")
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a", "reasoning": "think <turn|> hard"}]
+    text = tok.apply_chat_template(messages, chat_template=template, tokenize=False)
+    assert text == hf_render(hf_tok, messages, False, chat_template=template)
+    assert text == "[user||]q<turn|>[assistant|think <turn|> hard|think <turn|> hard]a<turn|>"
+    ids = tok.apply_chat_template(messages, chat_template=template)
+    assert ids.count(106) == 2 and tok.decode(ids) == text
+
+
+def test_tools_must_be_schemas(tok):
+    with pytest.raises(TypeError):
+        tok.apply_chat_template([{"role": "user", "content": "x"}], tools=[len])

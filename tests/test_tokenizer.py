@@ -285,3 +285,16 @@ def test_gguf_newline_tokens_without_merges_are_whole_runs(tok):
     assert loaded.encode("\n\n") == [364] and loaded.encode("\n\n\n") == [365]
     assert loaded.encode("a\n\nb") == loaded.encode("a") + [364] + loaded.encode("b")
     assert loaded.decode(loaded.encode("x\n\n\n\n\n\ny")) == "x\n\n\n\n\n\ny"
+
+
+def test_merges_that_build_a_special_string_are_never_used_for_text():
+    """A vocabulary in which BPE merges could spell a control token: plain text must still not produce it."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<t>", "<", "t", ">", "<t", "a", "▁", *BYTE_TOKENS]
+    types = [3, 3, 3, 3, 3] + [1] * 6 + [6] * 256
+    metadata = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+                "tokenizer.ggml.merges": ["< t", "<t >"]}
+    small = Tokenizer.from_gguf_metadata(metadata)
+    assert small.encode("<t>") == [8, 7]
+    assert small.encode("a <t>a") == [9, 10, 8, 7, 9]
+    assert small.encode_with_special_tokens("a<t>") == [9, 4]
+    assert small.decode(small.encode("x<t>y")) == "x<t>y"
