@@ -1,5 +1,5 @@
-// Metal emulator runtime: deterministic cooperative scheduling of one threadgroup's lanes (ucontext
-// fibers), SIMD-group exchanges, threadgroup barriers, guarded device buffers and fault reporting.
+// Metal emulator runtime: deterministic cooperative scheduling of one threadgroup's lanes (fibers),
+// SIMD-group exchanges, threadgroup barriers, guarded device buffers and fault reporting.
 // Built once into a shared library that the Python runner loads with RTLD_GLOBAL; every kernel
 // library resolves the emu_* symbols against it.
 #include <setjmp.h>
@@ -18,6 +18,75 @@
 
 #include "emu_abi.h"
 
+// ---- fibers: a minimal stack switch on x86-64 (swapcontext costs two syscalls), ucontext elsewhere ----
+#if defined(__x86_64__) && !defined(EMU_USE_UCONTEXT)
+extern "C" void emu_ctx_switch(void** save_sp, void* new_sp);
+// Saves the callee-saved registers, MXCSR and the x87 control word on the current stack, stores the
+// stack pointer in *save_sp, switches to new_sp and restores the same from there.
+asm(R"(
+  .text
+  .globl emu_ctx_switch
+  .hidden emu_ctx_switch
+  .type emu_ctx_switch, @function
+emu_ctx_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size emu_ctx_switch, .-emu_ctx_switch
+)");
+
+struct FiberCtx {
+  void* sp;
+};
+
+void fiber_init(FiberCtx& c, unsigned char* stack, size_t bytes, void (*entry)()) {
+  uintptr_t top = ((uintptr_t)(stack + bytes)) & ~(uintptr_t)15;
+  uint64_t* p = (uint64_t*)top;
+  *--p = 0;                  // fake return address of entry (keeps the ABI stack alignment)
+  *--p = (uint64_t)entry;    // popped by `ret`
+  for (int i = 0; i < 6; ++i) *--p = 0;  // rbp rbx r12 r13 r14 r15
+  uint32_t csr[2];
+  asm volatile("stmxcsr %0" : "=m"(csr[0]));
+  asm volatile("fnstcw %0" : "=m"(csr[1]));
+  *--p = (uint64_t)csr[0] | ((uint64_t)(csr[1] & 0xFFFF) << 32);
+  c.sp = p;
+}
+
+inline void fiber_swap(FiberCtx& from, FiberCtx& to) { emu_ctx_switch(&from.sp, to.sp); }
+#else
+struct FiberCtx {
+  ucontext_t uc;
+};
+
+void fiber_init(FiberCtx& c, unsigned char* stack, size_t bytes, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = bytes;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+
+inline void fiber_swap(FiberCtx& from, FiberCtx& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
 namespace {
 
 constexpr size_t kStackBytes = 256 * 1024;
@@ -25,7 +94,7 @@ constexpr size_t kStackBytes = 256 * 1024;
 enum LaneState { kReady, kAtBarrier, kAtSimd, kDone };
 
 struct Lane {
-  ucontext_t ctx;
+  FiberCtx ctx;
   LaneState state;
   unsigned op, site;
   unsigned exchanges;  // SIMD exchanges completed by this lane (parity selects the slot bank)
@@ -65,7 +134,7 @@ struct Run {
   std::vector<int> order;
   int current = -1;
   bool exited_ok = false;
-  ucontext_t main_ctx;
+  FiberCtx main_ctx;
   sigjmp_buf jmp;
   bool failed = false;
   std::string check, detail;
@@ -147,13 +216,14 @@ void lane_entry() {
   Lane& l = r.lanes[r.current];
   r.fn(r.args, &l.attrs);
   l.state = kDone;
-  // returning resumes uc_link (the scheduler)
+  fiber_swap(l.ctx, r.main_ctx);  // never resumed
+  __builtin_trap();
 }
 
 // Yield from the current lane to the scheduler.
 void yield_lane() {
   Run& r = *g_run;
-  swapcontext(&r.lanes[r.current].ctx, &r.main_ctx);
+  fiber_swap(r.lanes[r.current].ctx, r.main_ctx);
 }
 
 void check_tg_canaries(Run& r) {
@@ -281,11 +351,7 @@ void run_threadgroup(Run& r) {
   ++g_generation;
   for (int i = 0; i < n; ++i) {
     Lane& l = r.lanes[i];
-    getcontext(&l.ctx);
-    l.ctx.uc_stack.ss_sp = stack_of(i);
-    l.ctx.uc_stack.ss_size = kStackBytes;
-    l.ctx.uc_link = &r.main_ctx;
-    makecontext(&l.ctx, lane_entry, 0);
+    fiber_init(l.ctx, stack_of(i), kStackBytes, lane_entry);
     l.state = kReady;
     l.op = l.site = 0;
     l.exchanges = 0;
@@ -294,7 +360,7 @@ void run_threadgroup(Run& r) {
     for (int i : r.order) {
       if (r.lanes[i].state != kReady) continue;
       r.current = i;
-      swapcontext(&r.main_ctx, &r.lanes[i].ctx);
+      fiber_swap(r.main_ctx, r.lanes[i].ctx);
       r.current = -1;
       if (r.failed) return;
     }
@@ -438,7 +504,7 @@ void emu_fail(const char* check, const char* detail) {
   std::string where = r.current >= 0 ? " [" + lane_name(r.lanes[r.current]) + "]" : "";
   set_failure(r, check, std::string(detail) + where);
   if (r.current >= 0) {
-    swapcontext(&r.lanes[r.current].ctx, &r.main_ctx);
+    fiber_swap(r.lanes[r.current].ctx, r.main_ctx);
   }
   siglongjmp(r.jmp, 2);
 }
