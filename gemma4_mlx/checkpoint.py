@@ -110,8 +110,11 @@ def _get_module(model: Model, path: str):
     return obj
 
 
-def load_gguf(path: str | os.PathLike, dtype=mx.bfloat16, progress: bool = True) -> tuple[Model, dict]:
-    """From a llama.cpp `gemma4` GGUF file (strictly validated; see gguf.py). Returns (model, metadata)."""
+def load_gguf(path: str | os.PathLike, dtype=mx.bfloat16, progress: bool = True,
+              keep_quantized: bool = True) -> tuple[Model, dict]:
+    """From a llama.cpp `gemma4` GGUF file (strictly validated; see gguf.py). Returns (model, metadata).
+
+    keep_quantized=False dequantizes Q4_0/Q8_0 tensors to `dtype` too (a float reference model)."""
     g = read_gguf(path)
     try:
         cfg = ModelConfig.from_gguf(g.metadata, g.tensors)
@@ -126,7 +129,7 @@ def load_gguf(path: str | os.PathLike, dtype=mx.bfloat16, progress: bool = True)
                 raise LoadError(f"{path}: {e}") from None
             if name is None:
                 continue
-            if t.ggml_type in BITS and len(t.shape) >= 2:
+            if keep_quantized and t.ggml_type in BITS and len(t.shape) >= 2:
                 bits = BITS[t.ggml_type]
                 mod_path = name.rsplit(".", 1)[0]
                 if len(t.shape) == 3:

@@ -318,6 +318,12 @@ class ModelConfig:
 
         L = int(get("block_count"))
 
+        def f32(key, default):
+            # GGUF stores f32: go back to the shortest decimal, so 1e-6 reads as 1e-6 again
+            import numpy as np
+
+            return float(str(np.float32(get(key, default))))
+
         def per_layer(key, default=KeyError) -> list[int] | None:
             v = get(key, default)
             if v is None:
@@ -405,8 +411,8 @@ class ModelConfig:
             num_global_key_value_heads=kv_full if k_eq_v else None,
             attention_k_eq_v=bool(k_eq_v),
             sliding_window=int(get("attention.sliding_window")),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            final_logit_softcapping=float(softcap) if softcap else None,
+            rms_norm_eps=f32("attention.layer_norm_rms_epsilon", 1e-6),
+            final_logit_softcapping=f32("final_logit_softcapping", 0.0) if softcap else None,
             num_kv_shared_layers=n_shared,
             use_double_wide_mlp=double_wide,
             hidden_size_per_layer_input=ple,
@@ -415,8 +421,8 @@ class ModelConfig:
             num_experts=n_exp or None,
             top_k_experts=int(get("expert_used_count", 0)) or None,
             moe_intermediate_size=int(get("expert_feed_forward_length", 0)) or None,
-            rope_theta=float(get("rope.freq_base_swa", 10_000.0)),
-            global_rope_theta=float(get("rope.freq_base", 1_000_000.0)),
+            rope_theta=f32("rope.freq_base_swa", 10_000.0),
+            global_rope_theta=f32("rope.freq_base", 1_000_000.0),
             global_partial_rotary_factor=partial,
             max_position_embeddings=int(get("context_length", 262144)),
             bos_token_id=int(metadata.get("tokenizer.ggml.bos_token_id", 2)),

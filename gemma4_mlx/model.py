@@ -44,7 +44,12 @@ class ExpertLinear(nn.Module):
         if "scales" in self:
             return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=indices,
                                  transpose=True, group_size=self.group_size, bits=self.bits).astype(x.dtype)
-        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices)
+        w = self.weight
+        if w.dtype != mx.float32 and mx.default_device() == mx.cpu:
+            # MLX's CPU gather_mm supports only float32 (0.32.4).
+            return mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32).swapaxes(-1, -2),
+                                rhs_indices=indices).astype(x.dtype)
+        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices)
 
 
 class Attention(nn.Module):
@@ -142,7 +147,7 @@ class Experts(nn.Module):
         gate_up = self.gate_up_proj(x, indices)  # [..., k, 1, 2F]
         gate, up = gate_up[..., : self.width], gate_up[..., self.width :]
         y = self.down_proj(gelu_tanh(gate) * up, indices).squeeze(-2)  # [..., k, H]
-        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+        return (y.astype(mx.float32) * weights[..., None]).sum(axis=-2).astype(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -219,6 +224,8 @@ class TextModel(nn.Module):
         B, T = tokens.shape
         offset = next((c.offset for c in (cache or []) if c is not None), 0)
         h = self.embed(tokens)
+        if hidden_states is not None:
+            hidden_states.append(h)
         ple = self.per_layer_inputs(tokens, h) if self.cfg.hidden_size_per_layer_input else None
         q_pos = mx.arange(offset, offset + T, dtype=mx.int32)
         masks = {}
@@ -256,8 +263,6 @@ class Model(nn.Module):
         With return_hidden_states=True returns (logits, hidden) where hidden lists the embedding
         output followed by every layer's output [B, T, H] (before the final norm)."""
         hidden = [] if return_hidden_states else None
-        if hidden is not None:
-            hidden.append(self.model.embed(tokens))
         y = self.model(tokens, cache, hidden)
         logits = self.logits(y)
         return (logits, hidden) if return_hidden_states else logits
