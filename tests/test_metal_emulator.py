@@ -4,15 +4,17 @@ kernels fail, each with an error naming the kernel and the check."""
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from metal_emulator import CompileError, EmulatorError, InputInfo, check_case, generate_metal_source, metal_kernel
-from metal_emulator import build
-from metal_emulator.kernel import translation_unit
-from metal_emulator.check import compare
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/metal_emulator, whatever the import mode
+from metal_emulator import EmulatorError, InputInfo, build, check_case, generate_metal_source, metal_kernel  # noqa: E402
+from metal_emulator.check import compare  # noqa: E402
+from metal_emulator.kernel import translation_unit  # noqa: E402
 
 
 def run(name: str, source: str, inputs: dict, out_shape, grid, threadgroup, *, header: str = "",

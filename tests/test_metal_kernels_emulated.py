@@ -11,14 +11,18 @@ Test ids are ``<kernel name>-<case index>``.
 from __future__ import annotations
 
 import os
+import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from custom_kernels.registry import KernelSpec, all_kernel_specs
-from metal_emulator import CompileError, EmulatedKernel, check_case, metal_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/metal_emulator, whatever the import mode
+from metal_emulator import CompileError, EmulatedKernel, check_case, metal_kernel  # noqa: E402
 
 SPECS: list[KernelSpec] = all_kernel_specs()
 _KERNELS: dict[str, EmulatedKernel] = {}

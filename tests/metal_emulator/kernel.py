@@ -15,6 +15,7 @@ bfloat16 as np.uint16 bit patterns.
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -23,7 +24,7 @@ import numpy as np
 from . import build, dtypes, mlx_source, rewrite
 from .errors import CompileError, EmulatorError
 
-_ATTR_FIELDS = {a for a, _ in mlx_source.METAL_ATTRIBUTES}
+_RUN_LOCK = threading.Lock()  # the runtime has global state; ctypes releases the GIL during a run
 
 
 def _runtime() -> ctypes.CDLL:
@@ -181,9 +182,10 @@ class EmulatedKernel:
             check_lane_order = not self.atomic_outputs and "atomic_" not in (self.source + self.header)
         fn = ctypes.cast(lib.emu_kernel_lane, ctypes.c_void_p).value
         runs = []
-        for reverse in (False, True):
-            runs.append(self._run_once(fn, gen, arrays, output_shapes, out_names, grid, threadgroup,
-                                       init_value, reverse, exited_lanes_in_simd_ok, timeout_s))  # fmt: skip
+        with _RUN_LOCK:
+            for reverse in (False, True):
+                runs.append(self._run_once(fn, gen, arrays, output_shapes, out_names, grid, threadgroup,
+                                           init_value, reverse, exited_lanes_in_simd_ok, timeout_s))  # fmt: skip
         if check_lane_order:
             for i, (a, b) in enumerate(zip(*runs)):
                 if a.tobytes() != b.tobytes():
