@@ -11,10 +11,10 @@ token is reachable by merges (true for `tokenizer_train`'s tokenizers). For a GG
 tokens cannot be reached by merges, those tokens are registered as (non-special) added tokens, which is how HF
 Gemma files carry them and gives the same whole-run result as llama.cpp.
 
-Security model. `encode` never turns text into special tokens: the plain encoder has no special added tokens and
-its BPE vocabulary lacks their strings, so even merges cannot produce them. `apply_chat_template` encodes only the
-template's own markup with special-token parsing; every message content (all roles, text parts, reasoning
-fields, tool-call argument strings, tool results) is encoded as plain text. See `apply_chat_template`.
+Security model. `encode` never turns text into special tokens: the plain encoder does not match special added
+tokens, and no BPE merge can spell one (if a file's merges could, those merges are removed from the plain
+encoder). `apply_chat_template` gives special ids only to the template's own markup; every message content
+(all roles, text parts, reasoning fields, tool-call argument strings, tool results) is encoded as plain text.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 import tokenizers
-from jinja2 import nodes
 from jinja2.exceptions import TemplateError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -324,7 +323,7 @@ def _marks_consistent(marked: str, rendered: str, open_mark: str, close_mark: st
     if marked.replace(open_mark, "").replace(close_mark, "") != rendered:
         return False
     marks = "".join(ch for ch in marked if ch == open_mark or ch == close_mark)
-    return marks == (open_mark + close_mark) * (len(marks) // 2) and len(marks) % 2 == 0
+    return marks == (open_mark + close_mark) * (len(marks) // 2)
 
 
 class _Marker:
@@ -483,7 +482,7 @@ class Tokenizer:
         4 (user-defined) and 5 (unused) become special added tokens, 6 are the byte-fallback tokens.
         """
         model_name = _as_str(metadata.get("tokenizer.ggml.model", "gemma4"))
-        if model_name not in ("gemma4", "llama", "gpt2"):
+        if model_name not in ("gemma4", "llama"):
             raise ValueError(f"tokenizer.ggml.model {model_name!r} is not a Gemma-style BPE")
         if "tokenizer.ggml.merges" not in metadata:
             raise ValueError("GGUF metadata has no tokenizer.ggml.merges: cannot build the BPE")

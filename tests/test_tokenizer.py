@@ -4,6 +4,7 @@ GGUF-built and HF-built tokenizers, round trips, streaming detokenizer, special-
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,6 +102,20 @@ def test_training_is_deterministic(tmp_path):
     other = build_gemma4_tokenizer(["A different corpus entirely, about different things."], vocab_size=700)
     vocab = json.loads((tmp_path / "a" / "tokenizer.json").read_text())["model"]["vocab"]
     assert other.get_vocab() != vocab and len(vocab) == 700
+
+
+def test_training_is_deterministic_across_processes():
+    import hashlib
+    import subprocess
+    import sys
+
+    code = ("import hashlib; from gemma4_mlx.tokenizer_train import build_gemma4_tokenizer, DEFAULT_TRAINING_TEXT; "
+            "print(hashlib.sha256(build_gemma4_tokenizer([DEFAULT_TRAINING_TEXT]).to_str().encode()).hexdigest())")
+    repo = Path(__file__).resolve().parents[1]
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           cwd=repo).stdout.strip()
+    here = hashlib.sha256(build_gemma4_tokenizer([DEFAULT_TRAINING_TEXT]).to_str().encode()).hexdigest()
+    assert other == here
 
 
 def test_small_corpus_pads_with_unused(tmp_path):
