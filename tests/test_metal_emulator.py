@@ -415,3 +415,28 @@ def test_endless_loop_times_out():
     src = "uint i = 0; while (x[i % 2] > 0.0f) { i += 2; } out[0] = float(i);"  # spins forever
     with raises("spin", "timeout"):
         run("spin", src, {"x": np.ones(2, np.float32)}, (1,), (1, 1, 1), (1, 1, 1), timeout_s=0.3)
+
+
+def test_misaligned_vector_load_is_caught():
+    src = "float4 v = *((const device float4*)(x + 1)); out[0] = v.x + v.y + v.z + v.w;"
+    with raises("misaligned", "misaligned_access"):
+        run("misaligned", src, {"x": np.ones(16, np.float32)}, (1,), (1, 1, 1), (1, 1, 1))
+
+
+def test_exited_lanes_may_sit_out_simd_functions_when_allowed():
+    src = "uint i = thread_position_in_grid.x; if (i >= 20) return; out[i] = simd_sum(x[i]);"
+    x = np.arange(32, dtype=np.float32)
+    with raises("exit_then_sum", "simd_divergence"):
+        run("exit_then_sum", src, {"x": x}, (32,), (32, 1, 1), (32, 1, 1))
+    out = run("exit_then_sum", src, {"x": x}, (32,), (32, 1, 1), (32, 1, 1), exited_lanes_in_simd_ok=True)
+    np.testing.assert_array_equal(out[:20], np.full(20, x[:20].sum(), np.float32))
+
+
+@pytest.mark.parametrize("name, src, check", [
+    ("shift_too_far", "uint s = uint(x[0]); out[0] = float(1u << s);", "shift_out_of_range"),
+    ("divide_by_zero", "int d = int(x[1]) - 40; out[0] = float(7 / d);", "integer_division"),
+])  # fmt: skip
+def test_undefined_integer_operations_are_caught(name, src, check):
+    with raises(name, check) as e:
+        run(name, src, {"x": np.full(4, 40, np.float32)}, (1,), (1, 1, 1), (1, 1, 1))
+    assert f"{name}.metal:4:" in str(e.value)  # the location in the MLX text

@@ -373,11 +373,13 @@ void run_threadgroup(Run& r) {
 // ---- signals: out-of-bounds device access, array-bounds traps, stack overflow ----
 
 volatile sig_atomic_t g_sig = 0;
+volatile sig_atomic_t g_sig_code = 0;
 void* volatile g_sig_addr = nullptr;
 int g_sig_lane = -1;
 
 void on_signal(int sig, siginfo_t* si, void*) {
   g_sig = sig;
+  g_sig_code = si->si_code;
   g_sig_addr = si->si_addr;
   g_sig_lane = g_run ? g_run->current : -1;
   siglongjmp(g_run->jmp, 1);
@@ -507,6 +509,100 @@ void emu_fail(const char* check, const char* detail) {
     fiber_swap(r.lanes[r.current].ctx, r.main_ctx);
   }
   siglongjmp(r.jmp, 2);
+}
+
+// ---- UndefinedBehaviorSanitizer handlers (GCC's libubsan ABI): kernels are compiled with
+// -fsanitize=bounds,alignment,shift-exponent,integer-divide-by-zero and linked against these. ----
+struct UbsanLocation {
+  const char* file;
+  uint32_t line, column;
+};
+struct UbsanType {
+  uint16_t kind, info;
+  char name[1];
+};
+struct UbsanOutOfBounds {
+  UbsanLocation loc;
+  const UbsanType* array_type;
+  const UbsanType* index_type;
+};
+struct UbsanTypeMismatch {
+  UbsanLocation loc;
+  const UbsanType* type;
+  unsigned char log_alignment;
+  unsigned char check_kind;
+};
+struct UbsanBinary {
+  UbsanLocation loc;
+  const UbsanType* lhs_type;
+  const UbsanType* rhs_type;
+};
+
+static std::string ubsan_int(const UbsanType* t, uintptr_t v) {
+  unsigned bits = 1u << (t->info >> 1);
+  if (t->kind == 0 && (t->info & 1) && bits < 64) {  // signed integer: sign-extend
+    uint64_t m = 1ull << (bits - 1);
+    int64_t s = (int64_t)(((uint64_t)v & ((m << 1) - 1)) ^ m) - (int64_t)m;
+    return fmt("%lld", (long long)s);
+  }
+  if (t->kind == 0 && (t->info & 1)) return fmt("%lld", (long long)v);
+  return fmt("%llu", (unsigned long long)v);
+}
+
+static std::string ubsan_where(const UbsanLocation& l) { return fmt("%s:%u:%u", l.file, l.line, l.column); }
+
+void __ubsan_handle_out_of_bounds(UbsanOutOfBounds* d, uintptr_t index) {
+  emu_fail("array_bounds", fmt("index %s is outside the array of type %s at %s",
+                               ubsan_int(d->index_type, index).c_str(), d->array_type->name,
+                               ubsan_where(d->loc).c_str()).c_str());
+}
+void __ubsan_handle_out_of_bounds_abort(UbsanOutOfBounds* d, uintptr_t index) {
+  __ubsan_handle_out_of_bounds(d, index);
+}
+
+void __ubsan_handle_type_mismatch_v1(UbsanTypeMismatch* d, uintptr_t ptr) {
+  static const char* kinds[] = {"load of", "store to", "reference binding to", "member access within",
+                                "member call on", "constructor call on", "downcast of", "downcast of",
+                                "upcast of", "cast to virtual base of", "nonnull binding to",
+                                "dynamic operation on"};
+  const char* kind = d->check_kind < sizeof(kinds) / sizeof(kinds[0]) ? kinds[d->check_kind] : "access to";
+  uintptr_t align = (uintptr_t)1 << d->log_alignment;
+  if (ptr == 0)
+    emu_fail("null_pointer", fmt("%s a null pointer of type '%s' at %s", kind, d->type->name,
+                                 ubsan_where(d->loc).c_str()).c_str());
+  if (ptr & (align - 1))
+    emu_fail("misaligned_access",
+             fmt("%s address %p, which is not aligned to %zu bytes as type %s requires, at %s", kind,
+                 (void*)ptr, (size_t)align, d->type->name, ubsan_where(d->loc).c_str()).c_str());
+  emu_fail("invalid_access", fmt("%s address %p with insufficient space for type %s at %s", kind,
+                                 (void*)ptr, d->type->name, ubsan_where(d->loc).c_str()).c_str());
+}
+void __ubsan_handle_type_mismatch_v1_abort(UbsanTypeMismatch* d, uintptr_t ptr) {
+  __ubsan_handle_type_mismatch_v1(d, ptr);
+}
+
+void __ubsan_handle_shift_out_of_bounds(UbsanBinary* d, uintptr_t lhs, uintptr_t rhs) {
+  (void)lhs;
+  emu_fail("shift_out_of_range", fmt("shift by %s bits of a %s value at %s (undefined, as in Metal)",
+                                     ubsan_int(d->rhs_type, rhs).c_str(), d->lhs_type->name,
+                                     ubsan_where(d->loc).c_str()).c_str());
+}
+void __ubsan_handle_shift_out_of_bounds_abort(UbsanBinary* d, uintptr_t lhs, uintptr_t rhs) {
+  __ubsan_handle_shift_out_of_bounds(d, lhs, rhs);
+}
+
+struct UbsanOverflow {
+  UbsanLocation loc;
+  const UbsanType* type;
+};
+void __ubsan_handle_divrem_overflow(UbsanOverflow* d, uintptr_t lhs, uintptr_t rhs) {
+  (void)lhs;
+  (void)rhs;
+  emu_fail("integer_division", fmt("integer division by zero (or INT_MIN / -1) of type %s at %s",
+                                   d->type->name, ubsan_where(d->loc).c_str()).c_str());
+}
+void __ubsan_handle_divrem_overflow_abort(UbsanOverflow* d, uintptr_t lhs, uintptr_t rhs) {
+  __ubsan_handle_divrem_overflow(d, lhs, rhs);
 }
 
 uint64_t emu_tg_generation(void) { return g_generation; }
@@ -670,15 +766,18 @@ int emu_run(emu_lane_fn fn, void* const* args, const uint32_t grid[3], const uin
     std::string who = g_sig_lane >= 0 && g_sig_lane < (int)r.lanes.size()
                           ? " [" + lane_name(r.lanes[(size_t)g_sig_lane]) + "]"
                           : "";
-    if (sig == SIGSEGV || sig == SIGBUS) {
+    if ((sig == SIGSEGV || sig == SIGBUS) && g_sig_code == SI_KERNEL && g_sig_addr == nullptr) {
+      set_failure(r, "misaligned_access",
+                  "general protection fault: most likely a vector load/store through a pointer that is "
+                  "not aligned to the vector size (float4 needs 16 bytes, as on Metal)" + who);
+    } else if (sig == SIGSEGV || sig == SIGBUS) {
       std::string what = describe_address((uintptr_t)g_sig_addr);
       const char* check = what.find("stack overflow") != std::string::npos ? "stack_overflow"
                           : what.find("read-only") != std::string::npos    ? "input_write"
                                                                            : "out_of_bounds";
       set_failure(r, check, what + who);
     } else if (sig == SIGILL) {
-      set_failure(r, "array_bounds",
-                  "index outside a fixed-size array (thread or threadgroup storage; bounds trap)" + who);
+      set_failure(r, "illegal_instruction", "illegal instruction (a trap in the kernel)" + who);
     } else if (sig == SIGVTALRM) {
       set_failure(r, "timeout",
                   fmt("more than %.3g s of CPU time: an endless loop, or a spin-wait on another thread "
