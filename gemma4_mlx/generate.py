@@ -148,7 +148,9 @@ def resolve_model_path(spec: str | os.PathLike) -> tuple[str, Path]:
 def _gguf_defaults(md: dict) -> GenerationDefaults:
     def get(key, cast):
         v = md.get(f"general.sampling.{key}")
-        return None if v is None else cast(v)
+        if v is None:
+            return None
+        return int(v) if cast is int else float(f"{float(v):.7g}")  # f32 0.949999988 -> 0.95
 
     return GenerationDefaults(temp=get("temp", float), top_p=get("top_p", float), top_k=get("top_k", int),
                               min_p=get("min_p", float))
@@ -461,11 +463,11 @@ def generate(model, tokenizer: Tokenizer, prompt: str | Sequence[int] | mx.array
     `==========` rulers (thoughts marked [thinking] ... [/thinking]) and print the three stats lines.
     Keywords as for stream_generate."""
     printer = _Printer() if verbose else None
-    if verbose:
-        print("=" * 10, flush=True)
     pieces = []
     last = None
     for last in stream_generate(model, tokenizer, prompt, **kwargs):
+        if printer and not pieces:  # the ruler once the prompt is in (a prompt error prints nothing)
+            print("=" * 10, flush=True)
         pieces.append(last.text)
         if printer:
             printer.write(last)
