@@ -47,7 +47,9 @@ def _runtime() -> ctypes.CDLL:
 def _driver(gen: mlx_source.GeneratedKernel) -> str:
     """C++ entry point that calls the kernel for one lane with its buffers and attributes."""
     args = []
-    for k, p in enumerate(gen.params):
+    k = -1  # index into the buffer-pointer array (attributes are not buffers)
+    for p in gen.params:
+        k += p.kind != "attribute"
         if p.kind == "attribute":
             if p.ctype == "uint3":
                 args.append(f"metal::uint3(a->{p.name}[0], a->{p.name}[1], a->{p.name}[2])")
