@@ -440,3 +440,62 @@ def test_undefined_integer_operations_are_caught(name, src, check):
     with raises(name, check) as e:
         run(name, src, {"x": np.full(4, 40, np.float32)}, (1,), (1, 1, 1), (1, 1, 1))
     assert f"{name}.metal:4:" in str(e.value)  # the location in the MLX text
+
+
+def test_builtin_coverage():
+    """Instantiate many shim templates (lazily compiled otherwise) and check a few values."""
+    src = """
+      uint l = thread_index_in_simdgroup;
+      float f = x[l];
+      half h = half(f);
+      bfloat16_t b = bfloat16_t(f);
+      float4 v4 = float4(f, 2.0f * f, -f, 1.0f);
+      half4 h4 = half4(v4);
+      bfloat4 b4 = bfloat4(v4);
+      uint2 u2 = uint2(l, 2u * l);
+      int2 i2 = int2(u2) - int2(3);
+      float acc = 0.0f;
+      acc += simd_sum(f) + float(simd_sum(h)) + float(simd_sum(b)) + simd_max(v4).y + simd_min(v4).z;
+      acc += float(simd_prefix_exclusive_sum(int(l))) + float(simd_shuffle_xor(v4, 1).x);
+      acc += simd_broadcast_first(f) + float(simd_product(l == 0 ? 2u : 1u)) + float(simd_or(l));
+      acc += float(simd_all(f == f)) + float(simd_any(f > 1e30f));
+      acc += metal::fast::exp(f) - metal::precise::exp(f) + float(exp(b)) - float(exp(float(b)));
+      acc += clamp(f, -1.0f, 1.0f) + mix(0.0f, f, 0.5f) + step(0.0f, f) + sign(f) + fma(f, f, 1.0f);
+      acc += rsqrt(abs(v4) + 1.0f).x + dot(h4, half4(1.0h)) + float(dot(b4, bfloat4(1.0f)));
+      acc += max(v4, 0.5f).w + min(u2, uint2(1)).x + float(abs(i2).y) + float(max(i2.x, -1));
+      acc += float(popcount(u2.y)) + float(extract_bits(0xF0u, 4u, 4u)) + float(clz(1u)) + float(ctz(8u));
+      acc += float(select(float4(1.0f), float4(2.0f), v4 > 0.0f).x) + float(all(v4 == v4)) + float(any(u2 > 100u));
+      acc += float(isnan(f)) + float(isinf(-INFINITY)) + float(Limits<bfloat16_t>::max > 0.0f);
+      acc += float(numeric_limits<half>::infinity() > h) + as_type<float>(as_type<uint>(f)) - f;
+      acc += float(as_type<half2>(uint(0x3C003C00u)).y) + float(h * h) - f * f + float(b * 2);
+      acc += (sizeof(float3) == 16 ? 1.0f : 0.0f) + (alignof(half4) == 8 ? 1.0f : 0.0f);
+      acc += float(tanh(h)) + metal::precise::tanh(f) + float(fmax(h, half(0))) + float(ceil(b4).x);
+      threadgroup atomic_uint counter;
+      if (l == 0) atomic_store_explicit(&counter, 0u, memory_order_relaxed);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      atomic_fetch_max_explicit(&counter, l, memory_order_relaxed);
+      threadgroup_barrier(mem_flags::mem_threadgroup | mem_flags::mem_device);
+      acc += float(atomic_load_explicit(&counter, memory_order_relaxed));
+      simdgroup_barrier(mem_flags::mem_none);
+      device float* o = out + l * 8;
+      o[0] = simd_sum(f);
+      o[1] = float(simd_sum(b));
+      o[2] = float(simd_prefix_exclusive_sum(int(l)));
+      o[3] = simd_shuffle_xor(v4, 1).y;
+      o[4] = float(extract_bits(0xF0u, 4u, 4u)) + float(clz(1u)) + float(ctz(8u));
+      o[5] = float(dot(h4, half4(1.0h)));
+      o[6] = float(atomic_load_explicit(&counter, memory_order_relaxed));
+      o[7] = acc;
+    """
+    x = np.linspace(-1.5, 1.5, 32).astype(np.float32)
+    out = run("builtins", src, {"x": x}, (256,), (32, 1, 1), (32, 1, 1)).reshape(32, 8)
+    lanes = np.arange(32)
+    bf = (x.view(np.uint32) + 0x7FFF + ((x.view(np.uint32) >> 16) & 1)) >> 16 << 16
+    np.testing.assert_allclose(out[:, 0], x.sum(dtype=np.float64), atol=1e-5)
+    np.testing.assert_allclose(out[:, 1], bf.view(np.float32).sum(dtype=np.float64), atol=0.1)
+    np.testing.assert_array_equal(out[:, 2], lanes * (lanes - 1) / 2)
+    np.testing.assert_array_equal(out[:, 3], 2 * x[lanes ^ 1])
+    np.testing.assert_array_equal(out[:, 4], 15 + 31 + 3)
+    np.testing.assert_allclose(out[:, 5], 2 * x.astype(np.float16).astype(np.float64) + 1, rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(out[:, 6], 31)
+    assert np.isfinite(out[:, 7]).all()
