@@ -62,7 +62,7 @@ MODELS = {
                               ("ffn_gate/up", 10240, 2560), ("ffn_down", 2560, 10240)]),
 }  # fmt: skip
 QUICK = {"tiny": dict(H=256, proj=[("proj", 96, 256), ("down", 256, 96)], head=512, experts=dict(E=8, top_k=2, F=64))}
-SWEEP_SHAPES = [("31B", "ffn_gate/up", 21504, 5376), ("31B", "attn_k(f)", 2048, 5376)]
+SWEEP_SHAPES = [("31B", "ffn_gate/up", 21504, 5376)]
 MIN_SET_BYTES = 512 << 20
 TARGET_ROUND_S = 0.03
 
@@ -233,21 +233,20 @@ def expert_case(model, ex, h, dtype, quick, on_gpu):
 
 
 def sweep(dtype, quick, on_gpu):
-    """Time launch geometries on key shapes (GPU only): R in {2,4,8}, NSG in {1,2,4,8}, LPB in {1,2,4}."""
-    rows = []
+    """Launch geometries on key shapes (GPU only), yielding one batch of rows per geometry:
+    R in {2, 4, 8} x NSG in {2, 4, 8} x LPB in {2, 4} at M = 1 and 8 (one compile each)."""
     if not on_gpu:
-        return rows
+        return
     for model, name, n, k in SWEEP_SHAPES:
         for m in (1, 8):
             for r in (2, 4, 8):
-                for nsg in (1, 2, 4, 8):
-                    for lpb in (1, 2, 4):
+                for nsg in (2, 4, 8):
+                    for lpb in (2, 4):
                         cfg = qm.KernelConfig(r, nsg, lpb)
                         try:
-                            rows += dense_case(model, name, qm.Q4_0, n, k, (m,), dtype, quick, on_gpu, cfg, False)
-                        except Exception as exc:  # e.g. too many registers for one geometry
-                            rows.append(dict(model=model, name=name, M=m, config=[r, nsg, lpb], error=str(exc)[:200]))
-    return rows
+                            yield dense_case(model, name, qm.Q4_0, n, k, (m,), dtype, quick, on_gpu, cfg, False)
+                        except Exception as exc:  # e.g. a geometry the device rejects
+                            yield [dict(model=model, name=name, M=m, config=[r, nsg, lpb], error=str(exc)[:200])]
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,6 +269,22 @@ def hardware() -> dict:
     return info
 
 
+def _ratios(rows: list[dict]) -> list[dict]:
+    """M=8 / M=1 time ratio per (model, tensor, impl)."""
+    by_key = {(r["model"], r["name"], r["impl"], r["M"]): r for r in rows if "time_us" in r}
+    return [dict(model=mo, name=na, impl=im, ratio_M8_M1=r["time_us"] / by_key[(mo, na, im, 1)]["time_us"])
+            for (mo, na, im, m), r in by_key.items() if m == 8 and (mo, na, im, 1) in by_key]  # fmt: skip
+
+
+def _print_row(r: dict) -> None:
+    if "time_us" not in r:
+        print(f"  {r.get('model')} {r.get('name')} M={r.get('M')} {r.get('config')}: {r.get('error')}", flush=True)
+        return
+    cfg = f" {r['config']}" if "config" in r else ""
+    print(f"{r['model']:8} {r['name'][:20]:20} {r['impl'][:26]:26} {r['N']:7d} {r['K']:6d} {r['M']:2d} "
+          f"{r['time_us']:9.1f} {r['GBps']:7.0f} {100 * r['frac_copy']:5.1f}%{cfg}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, few repetitions (runs on CPU too)")
@@ -283,59 +298,55 @@ def main() -> None:
     dtype = getattr(mx, args.dtype)
     on_gpu = not custom_kernels.use_reference()
     models = QUICK if args.quick else {m: MODELS[m] for m in args.models.split(",")}
-    t0 = time.time()
-    copy = copy_bandwidth(args.quick)
-    print(f"backend {custom_kernels.backend()}  kernels {'on' if on_gpu else 'off (references)'}  "
-          f"copy bandwidth {copy['GBps']:.0f} GB/s (a + 1 on {copy['bytes'] // 2 >> 20} MiB)")  # fmt: skip
-    rows: list[dict] = []
-    for model, spec in models.items():
-        h = spec["H"]
-        for name, n, k in spec["proj"]:
-            rows += dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, args.quick, on_gpu, with_qmm=not args.no_qmm)
-            print(f"  {model} {name} done ({time.time() - t0:.0f} s)", flush=True)
-        head_n = spec.get("head", VOCAB)
-        for t in (qm.Q8_0, qm.Q6_K):
-            rows += dense_case(model, "head (tied)", t, head_n, h, (1, 8), dtype, args.quick, on_gpu,
-                               with_qmm=not args.no_qmm)  # fmt: skip
-        if "experts" in spec:
-            rows += expert_case(model, spec["experts"], h, dtype, args.quick, on_gpu)
-        print(f"  {model} head/experts done ({time.time() - t0:.0f} s)", flush=True)
-    sweep_rows = sweep(dtype, args.quick, on_gpu) if args.sweep else []
-    for r in rows + sweep_rows:
-        if "GBps" in r:
-            r["frac_copy"] = r["GBps"] / copy["GBps"]
-
-    # M=8 / M=1 time ratios per (model, name, impl)
-    ratios = []
-    by_key = {(r["model"], r["name"], r["impl"], r["M"]): r for r in rows if "M" in r}
-    for (model, name, impl, m), r in by_key.items():
-        if m == 8 and (model, name, impl, 1) in by_key:
-            ratios.append(dict(model=model, name=name, impl=impl, ratio_M8_M1=r["time_us"] / by_key[(model, name, impl, 1)]["time_us"]))
-
-    print(f"\n{'model':8} {'tensor':20} {'impl':26} {'N':>7} {'K':>6} {'M':>2} {'us':>9} {'GB/s':>7} {'copy%':>6}")
-    for r in rows:
-        print(f"{r['model']:8} {r['name'][:20]:20} {r['impl'][:26]:26} {r['N']:7d} {r['K']:6d} {r['M']:2d} "
-              f"{r['time_us']:9.1f} {r['GBps']:7.0f} {100 * r['frac_copy']:5.1f}%")  # fmt: skip
-    print(f"\n{'model':8} {'tensor':20} {'impl':26} M8/M1")
-    for q in ratios:
-        print(f"{q['model']:8} {q['name'][:20]:20} {q['impl'][:26]:26} {q['ratio_M8_M1']:.2f}")
-    if sweep_rows:
-        print("\nsweep (R, NSG, LPB): GB/s")
-        for r in sweep_rows:
-            print(f"  {r['model']} {r['name']} M={r['M']} {r.get('config')}: "
-                  + (f"{r['GBps']:.0f} ({100 * r['frac_copy']:.1f}%)" if "GBps" in r else r.get("error", "")))
-
     backend = custom_kernels.backend()
     date = datetime.datetime.now().strftime("%Y-%m-%d")
     out = args.out or os.path.join(ROOT, "bench", "results", f"kernels-{backend}-{date}{'-quick' if args.quick else ''}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    doc = dict(
-        bench="bench/kernels.py", date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args),
-        hardware=hardware(), versions=dict(mlx=mx.__version__, numpy=np.__version__, python=platform.python_version()),
-        copy_bandwidth=copy, results=rows, ratios=ratios, sweep=sweep_rows, seconds=time.time() - t0,
-    )  # fmt: skip
-    with open(out, "w") as fh:
-        json.dump(doc, fh, indent=1)
+    t0 = time.time()
+    copy = copy_bandwidth(args.quick)
+    rows: list[dict] = []
+    sweep_rows: list[dict] = []
+
+    def save(done: bool) -> None:  # after every model, so an interrupted run keeps its numbers
+        doc = dict(
+            bench="bench/kernels.py", date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args),
+            hardware=hardware(), versions=dict(mlx=mx.__version__, numpy=np.__version__, python=platform.python_version()),
+            copy_bandwidth=copy, results=rows, ratios=_ratios(rows), sweep=sweep_rows, complete=done,
+            seconds=time.time() - t0,
+        )  # fmt: skip
+        with open(out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+
+    def add(new: list[dict], into: list[dict]) -> None:
+        for r in new:
+            if "GBps" in r:
+                r["frac_copy"] = r["GBps"] / copy["GBps"]
+            _print_row(r)
+        into.extend(new)
+
+    print(f"backend {backend}  kernels {'on' if on_gpu else 'off (references)'}  "
+          f"copy bandwidth {copy['GBps']:.0f} GB/s (a + 1 on {copy['bytes'] // 2 >> 20} MiB)")  # fmt: skip
+    print(f"{'model':8} {'tensor':20} {'impl':26} {'N':>7} {'K':>6} {'M':>2} {'us':>9} {'GB/s':>7} {'copy%':>6}")
+    for model, spec in models.items():
+        h = spec["H"]
+        for name, n, k in spec["proj"]:
+            add(dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, args.quick, on_gpu, with_qmm=not args.no_qmm), rows)
+        head_n = spec.get("head", VOCAB)
+        for t in (qm.Q8_0, qm.Q6_K):
+            add(dense_case(model, "head (tied)", t, head_n, h, (1, 8), dtype, args.quick, on_gpu,
+                           with_qmm=not args.no_qmm), rows)  # fmt: skip
+        if "experts" in spec:
+            add(expert_case(model, spec["experts"], h, dtype, args.quick, on_gpu), rows)
+        save(False)
+        print(f"  ({model} done, {time.time() - t0:.0f} s)", flush=True)
+    if args.sweep:
+        for batch in sweep(dtype, args.quick, on_gpu):
+            add(batch, sweep_rows)
+            save(False)
+    print(f"\n{'model':8} {'tensor':20} {'impl':26} M8/M1")
+    for q in _ratios(rows):
+        print(f"{q['model']:8} {q['name'][:20]:20} {q['impl'][:26]:26} {q['ratio_M8_M1']:.2f}")
+    save(True)
     print(f"\nwrote {out} ({time.time() - t0:.0f} s)")
 
 
