@@ -192,3 +192,24 @@ def test_got_slot_lookup_in_libmlx():
     assert isinstance(blas._got_slot(libmlx, "cblas_sgemm"), int)
     assert isinstance(blas._got_slot(libmlx, "sgetrf_"), int)
     assert blas._got_slot(libmlx, "no_such_symbol_gemma4") is None
+
+
+@linux_only
+def test_nothing_found_warns_once_and_carries_on(tmp_path):
+    code = f"""
+import importlib.util, json, warnings
+spec = importlib.util.spec_from_file_location("blas_copy", {os.path.join(ROOT, "gemma4_mlx", "blas.py")!r})
+blas = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(blas)
+blas._find_mkl = blas._find_openblas = lambda: None
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    blas.preload()
+    blas.preload()
+info = blas.active()
+print(json.dumps({{"warnings": [str(w.message) for w in caught], "info": info}}))
+"""
+    proc = run_child(code, tmp_path)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["warnings"]) == 1 and "no optimized BLAS found" in out["warnings"][0]
+    assert bundled_reference(out["info"]["provider"]) and not out["info"]["verified"]
