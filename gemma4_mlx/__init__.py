@@ -7,6 +7,11 @@ _blas.preload()
 
 __version__ = "0.1.0"
 
+import warnings  # noqa: E402
+
+# `python -m gemma4_mlx.generate` runs the module that this package also imports for its API.
+warnings.filterwarnings("ignore", message=r"'gemma4_mlx\.\w+' found in sys\.modules", category=RuntimeWarning)
+
 from .generate import generate, load, stream_generate  # noqa: E402  (after the BLAS preload)
 from .sampling import make_logits_processors, make_sampler  # noqa: E402
 
