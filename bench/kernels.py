@@ -115,18 +115,24 @@ def n_sets(set_bytes: int, quick: bool) -> int:
 
 def time_rotating(calls: list, quick: bool) -> float:
     """Median seconds per call of a list of zero-argument callables (one per weight set), each
-    round evaluating all of them (repeated to ~TARGET_ROUND_S) as one graph."""
+    round evaluating all of them (repeated to ~TARGET_ROUND_S) as one graph. The lazy graph is
+    built before the clock starts: Python's per-call cost is not the kernel's (a decode step is
+    compiled once and replayed), while MLX's own per-op scheduling cost is counted."""
     mx.eval([c() for c in calls])  # warm-up: compile, allocate
+    outs = [c() for c in calls]
+    mx.synchronize()
     t = time.perf_counter()
-    mx.eval([c() for c in calls])
+    mx.eval(outs)
+    mx.synchronize()
     one = max(time.perf_counter() - t, 1e-6)
     reps = 1 if quick else max(1, int(TARGET_ROUND_S / one))
     rounds = 2 if quick else 7
     samples = []
     for _ in range(rounds):
+        outs = [c() for _ in range(reps) for c in calls]
         mx.synchronize()
         t = time.perf_counter()
-        mx.eval([c() for _ in range(reps) for c in calls])
+        mx.eval(outs)
         mx.synchronize()
         samples.append((time.perf_counter() - t) / (reps * len(calls)))
     return statistics.median(samples)
@@ -150,8 +156,10 @@ def _dtype_bytes(dtype) -> int:
     return {mx.float32: 4, mx.bfloat16: 2, mx.float16: 2}[dtype]
 
 
-def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=None, with_qmm=True):
-    """Kernel (and quantized_matmul) at each M in ms on rotating [N, K] weight sets."""
+def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=None, with_qmm=True, mma=True):
+    """Kernel (and quantized_matmul; and the CUDA tensor-core kernel for Q4_0 bf16 unless mma is
+    False, with its default geometry or the MmaConfig given as mma) at each M in ms on rotating
+    [N, K] weight sets."""
     rb = qm.row_bytes(ggml_type, k)
     sets = n_sets(n * rb, quick)
     weights = [random_blocks(ggml_type, (n,), k) for _ in range(sets)]
@@ -170,6 +178,13 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
         rows.append(dict(model=model, name=name, impl=f"{qm._fmt(ggml_type).name}_matvec", N=n, K=k, M=m,
                          sets=sets, time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
                          config=[cfg.rows_per_simd, cfg.simd_groups, cfg.lanes_per_block]))  # fmt: skip
+        if mma and on_gpu and ggml_type == qm.Q4_0 and dtype == mx.bfloat16 and custom_kernels.backend() == "cuda":
+            mcfg = mma if isinstance(mma, qm.MmaConfig) else qm.default_mma_config(n)
+            calls = [lambda w=w: qm.launch_dense_mma(x, w, n, config=mcfg) for w in weights]
+            sec = time_rotating(calls, quick)
+            rows.append(dict(model=model, name=name, impl="q4_0_matvec_mma", N=n, K=k, M=m, sets=sets,
+                             time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
+                             config=[mcfg.tiles, mcfg.warps]))  # fmt: skip
     if with_qmm and ggml_type in (qm.Q4_0, qm.Q8_0):
         bits = 4 if ggml_type == qm.Q4_0 else 8
         affine = [to_affine(w, ggml_type, k, dtype) for w in weights]
@@ -233,22 +248,30 @@ def expert_case(model, ex, h, dtype, quick, on_gpu):
 
 
 def sweep(dtype, quick, on_gpu):
-    """Launch geometries on key shapes (GPU only), yielding one batch of rows per geometry:
-    R in {2, 4, 8} x NSG in {2, 4, 8} x LPB in {2, 4} at M = 1 and 8 (one compile each)."""
+    """Launch geometries on key shapes (GPU only), one batch of rows per geometry (one compile
+    each): the f32-FMA kernel at M = 1 for R in {1, 2, 4} x NSG in {2, 4, 8} x LPB in {2, 4}; on
+    CUDA the tensor-core kernel at M = 1 and 8 for tiles in {1, 2, 4} x warps in {2, 4, 8}."""
     if not on_gpu:
         return
     for model, name, n, k in SWEEP_SHAPES:
-        for m in (1, 8):
-            for r in (2, 4, 8):
-                for nsg in (2, 4, 8):
-                    for lpb in (2, 4):
-                        cfg = qm.KernelConfig(r, nsg, lpb)
-                        try:
-                            yield dense_case(model, name, qm.Q4_0, n, k, (m,), dtype, quick, on_gpu, cfg, False)
-                        except Exception as exc:  # e.g. a geometry the device rejects
-                            yield [dict(model=model, name=name, M=m, config=[r, nsg, lpb], error=str(exc)[:200])]
-
-
+        for r in (1, 2, 4):
+            for nsg in (2, 4, 8):
+                for lpb in (2, 4):
+                    cfg = qm.KernelConfig(r, nsg, lpb)
+                    try:
+                        yield dense_case(model, name, qm.Q4_0, n, k, (1,), dtype, quick, on_gpu, cfg, False, False)
+                    except Exception as exc:  # e.g. a geometry the device rejects
+                        yield [dict(model=model, name=name, M=1, config=[r, nsg, lpb], error=str(exc)[:200])]
+        if custom_kernels.backend() != "cuda" or dtype != mx.bfloat16:
+            continue
+        for tiles in (1, 2, 4):
+            for warps in (2, 4, 8):
+                mcfg = qm.MmaConfig(tiles, warps)
+                try:
+                    rows = dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, quick, on_gpu, None, False, mcfg)
+                    yield [r for r in rows if r["impl"] == "q4_0_matvec_mma"]
+                except Exception as exc:
+                    yield [dict(model=model, name=name, M=8, config=[tiles, warps], error=str(exc)[:200])]
 # --------------------------------------------------------------------------------------------
 
 

@@ -50,7 +50,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import backend, get_kernel, use_reference
-from .dialect import emit
+from .dialect import emit, prelude
 
 __all__ = [
     "Q4_0",
@@ -677,6 +677,168 @@ def launch_gate_up(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int,
 
 
 # --------------------------------------------------------------------------------------------
+# CUDA only: Q4_0 on tensor cores for bf16 activations, M = 2..8
+# --------------------------------------------------------------------------------------------
+# The f32-FMA kernel above does M multiply-adds per weight; at M = 8 that, not memory, bounds it
+# on an H200 (measured: 2.9x the M = 1 time at the 31B FFN shape). Here each warp runs
+# mma.sync.m16n8k16 (bf16 inputs, f32 accumulation): A = 16 weight rows x 16 k of (q - 8), exact
+# in bf16; B = 16 k x 8 activation rows (bf16, exact); per block the two k-steps accumulate in f32
+# and the f32 accumulator adds d times that, so the arithmetic is the FMA kernel's up to the
+# order of the f32 additions. Metal has no counterpart yet (simdgroup_matrix would be its twin).
+# Fragment layouts (PTX ISA, mma.m16n8k16 .bf16): g = lane / 4, t = lane % 4;
+#   A regs {row g, k 2t..2t+1}, {row g+8, k 2t..}, {row g, k 2t+8..}, {row g+8, k 2t+8..}
+#   B regs {k 2t..2t+1, col g}, {k 2t+8.., col g};  C/D {row g, col 2t, 2t+1}, {row g+8, col 2t, 2t+1}
+# Q4_0 weight j < 16 of a block is the low nibble of qs[j], j + 16 the high nibble: k-step 0
+# takes low nibbles, k-step 1 high nibbles, of the same bytes qs[2t, 2t+1] and qs[2t+8, 2t+9].
+
+_MMA_HEADER_CUDA = r"""
+// bytes b0, b1 of u -> bf16x2 {q(b0) - 8, q(b1) - 8} from the low (lo) or high (hi) nibbles, exact:
+// 0x4300 | q is the bf16 of 128 + q; subtracting 136 leaves q - 8.
+__device__ __forceinline__ uint32_t g4_q4_bf16x2_minus8(uint32_t v) {
+  v |= 0x43004300u;
+  __nv_bfloat162 a = *reinterpret_cast<__nv_bfloat162*>(&v);
+  const uint32_t c = 0x43084308u;
+  __nv_bfloat162 r = __hsub2(a, *reinterpret_cast<const __nv_bfloat162*>(&c));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t g4_q4_lo(uint32_t u) {
+  return g4_q4_bf16x2_minus8((u & 0x000Fu) | ((u & 0x0F00u) << 8));
+}
+__device__ __forceinline__ uint32_t g4_q4_hi(uint32_t u) {
+  return g4_q4_bf16x2_minus8(((u >> 4) & 0x000Fu) | ((u & 0xF000u) << 4));
+}
+__device__ __forceinline__ void g4_mma_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+"""
+
+# Template: T (bfloat16 only), M (1..8 activation rows), TILES (16-row tiles per warp), NW (warps
+# per block; warp w takes blocks w, w + NW, ... of K and the block's warps are summed at the end).
+_MMA_BODY_CUDA = r"""
+  // gemma4-mlx q4_0_matvec_mma (CUDA tensor cores, bf16 activations)
+  const int K = x_shape[1];
+  const int N = wq_shape[0];
+  const int row_bytes = wq_shape[1];
+  const int nblocks = K / 32;
+  const int lane = (int)(threadIdx.x & 31u);
+  const int warp = (int)(threadIdx.x >> 5);
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int row_base = (int)blockIdx.x * 16 * TILES;
+  const bool x_ok = g < M;
+  const uint32_t* xw = reinterpret_cast<const uint32_t*>(x + (size_t)(x_ok ? g : 0) * K) + t;
+  const uint8_t* rows[TILES][2];
+  bool row_ok[TILES][2];
+  _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
+    _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+      const int r = row_base + 16 * i + 8 * h + g;
+      row_ok[i][h] = r < N;
+      rows[i][h] = wq + (size_t)(r < N ? r : 0) * row_bytes + 2 * t;
+    }
+  }
+  float acc[TILES][4];
+  _Pragma("unroll") for (int i = 0; i < TILES; ++i) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
+  _Pragma("unroll 2") for (int b = warp; b < nblocks; b += NW) {
+    uint32_t xb[4] = {0u, 0u, 0u, 0u};  // bf16 pairs at k = 32b + 2t + {0, 8, 16, 24}
+    if (x_ok) {
+      const uint32_t* xp = xw + 16 * b;
+      xb[0] = __ldg(xp); xb[1] = __ldg(xp + 4); xb[2] = __ldg(xp + 8); xb[3] = __ldg(xp + 12);
+    }
+    _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
+      uint32_t u[2][2] = {{0u, 0u}, {0u, 0u}};
+      float d[2] = {0.0f, 0.0f};
+      _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+        if (row_ok[i][h]) {
+          const uint8_t* p = rows[i][h] + (size_t)b * 18;  // = block start + 2t
+          d[h] = g4_half_bits(g4_u16(p - 2 * t));
+          u[h][0] = g4_u16(p + 2);   // qs[2t], qs[2t+1]
+          u[h][1] = g4_u16(p + 10);  // qs[2t+8], qs[2t+9]
+        }
+      }
+      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      g4_mma_bf16(part, g4_q4_lo(u[0][0]), g4_q4_lo(u[1][0]), g4_q4_lo(u[0][1]), g4_q4_lo(u[1][1]), xb[0], xb[1]);
+      g4_mma_bf16(part, g4_q4_hi(u[0][0]), g4_q4_hi(u[1][0]), g4_q4_hi(u[0][1]), g4_q4_hi(u[1][1]), xb[2], xb[3]);
+      acc[i][0] += d[0] * part[0];
+      acc[i][1] += d[0] * part[1];
+      acc[i][2] += d[1] * part[2];
+      acc[i][3] += d[1] * part[3];
+    }
+  }
+  __shared__ float partial[NW > 1 ? NW - 1 : 1][TILES][4][32];
+  if (NW > 1) {
+    if (warp > 0) {
+      _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
+        _Pragma("unroll") for (int c = 0; c < 4; ++c) partial[warp - 1][i][c][lane] = acc[i][c];
+      }
+    }
+    __syncthreads();
+  }
+  if (warp == 0) {
+    _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
+      _Pragma("unroll") for (int c = 0; c < 4; ++c) {
+        float s = acc[i][c];
+        for (int w = 1; w < NW; ++w) s += partial[w - 1][i][c][lane];
+        const int r = row_base + 16 * i + g + 8 * (c >> 1);
+        const int m = 2 * t + (c & 1);
+        if (r < N && m < M) out[(size_t)m * N + r] = static_cast<T>(s);
+      }
+    }
+  }
+"""
+
+MMA_MIN_ROWS = 2
+"""Smallest M that the CUDA tensor-core Q4_0 kernel takes by default (bf16 activations)."""
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """Geometry of the CUDA tensor-core kernel: 16-row tiles per warp, warps per block (K split)."""
+
+    tiles: int = 2
+    warps: int = 4
+
+    def __post_init__(self):
+        if self.tiles not in (1, 2, 4) or self.warps not in (1, 2, 4, 8):
+            raise ValueError("tiles must be 1, 2 or 4 and warps 1, 2, 4 or 8")
+
+
+def default_mma_config(n: int) -> MmaConfig:
+    """Two 16-row tiles per warp and 4 warps splitting K; smaller tiles / more warps while that
+    leaves fewer than 264 blocks (2 per H200 SM)."""
+    tiles, warps = 2, 4
+    if math.ceil(n / (16 * tiles)) < 264:
+        tiles, warps = 1, 8
+    return MmaConfig(tiles, warps)
+
+
+_MMA_DEF = _KernelDef(
+    "g4_q4_0_matvec_mma", "dense_mma", Q4_0, ("x", "wq"), ("out",), ("T", "M", "TILES", "NW"),
+    {"metal": ("", ""), "cuda": (prelude("cuda") + _MMA_HEADER_CUDA, _MMA_BODY_CUDA)},
+)  # fmt: skip
+
+
+def plan_mma(m: int, n: int, config: MmaConfig | None = None) -> LaunchPlan:
+    """Launch plan of the CUDA tensor-core Q4_0 kernel for x [m, K] bf16 and N rows."""
+    cfg = config or default_mma_config(n)
+    template = [("T", "bfloat16"), ("M", m), ("TILES", cfg.tiles), ("NW", cfg.warps)]
+    threads = 32 * cfg.warps
+    return LaunchPlan(template, (math.ceil(n / (16 * cfg.tiles)) * threads, 1, 1), (threads, 1, 1), (m, n))
+
+
+def launch_dense_mma(x2: mx.array, blocks: mx.array, n: int, config: MmaConfig | None = None,
+                     init_value: float | None = None) -> mx.array:  # fmt: skip
+    """Run the CUDA tensor-core Q4_0 kernel on bf16 x2 [M <= 8, K] (CUDA builds only) -> [M, N]."""
+    if x2.dtype != mx.bfloat16:
+        raise TypeError("the tensor-core Q4_0 kernel takes bfloat16 activations")
+    return _run(_MMA_DEF, [x2, blocks], plan_mma(x2.shape[0], n, config), x2.dtype, init_value)
+
+
+# --------------------------------------------------------------------------------------------
 # Dispatch (public API)
 # --------------------------------------------------------------------------------------------
 
@@ -691,7 +853,11 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     m = math.prod(lead)
     if use_reference() or not 1 <= m <= MAX_ROWS:
         return matvec_reference(x, blocks, ggml_type, n)
-    out = launch_dense(x.reshape(m, x.shape[-1]), blocks, ggml_type, n)
+    x2 = x.reshape(m, x.shape[-1])
+    if ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
+        out = launch_dense_mma(x2, blocks, n)
+    else:
+        out = launch_dense(x2, blocks, ggml_type, n)
     return out.reshape(*lead, n)
 
 
@@ -873,11 +1039,33 @@ def _cases(ggml_type: int, kind: str):
     return make
 
 
+def _mma_case(rng, m, n, k, config):
+    from .registry import KernelCase
+
+    x, x64, in_dt = _activations(rng, (m, k), "bfloat16")
+    wq = random_blocks(rng, Q4_0, (n,), k)
+    w64 = dequantize_f64(wq, Q4_0)
+    scale = float((np.abs(x64) @ np.abs(w64).T).max())
+    rtol, atol = _tolerances("bfloat16", scale)
+    plan = plan_mma(m, n, config)
+    return KernelCase(
+        inputs={"x": x, "wq": wq}, template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
+        output_shapes=[plan.output_shape], output_dtypes=["bfloat16"], expected=[x64 @ w64.T],
+        rtol=rtol, atol=atol, input_dtypes=in_dt, label=f"bfloat16 M={m} N={n} K={k} {config}",
+    )  # fmt: skip
+
+
+def _mma_cases(rng: np.random.Generator):
+    return [_mma_case(rng, 2, 37, 96, MmaConfig(1, 2)), _mma_case(rng, 8, 70, 1056, MmaConfig(2, 4)),
+            _mma_case(rng, 5, 33, 160, MmaConfig(4, 1))]  # fmt: skip
+
+
 def kernel_specs():
     """KernelSpec of every kernel in this module, with small test cases (odd tails included)."""
     from .registry import KernelSpec
 
-    specs = []
+    specs = [KernelSpec(_MMA_DEF.name, _MMA_DEF.input_names, _MMA_DEF.output_names, "", "",
+                        *_MMA_DEF.text["cuda"], _mma_cases)]  # CUDA only: no Metal text
     for ggml_type, kind in _ALL_KERNELS:
         kdef = _kernel_def(ggml_type, kind)
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]

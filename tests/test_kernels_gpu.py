@@ -143,3 +143,23 @@ def test_dispatch_uses_kernel_and_reference_switch(monkeypatch):
     reference = qm.q8_0_matvec(x, raw, 300)
     assert kernel.shape == reference.shape == (2, 4, 300)
     np.testing.assert_allclose(np.array(kernel), np.array(reference), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA tensor-core kernel")
+def test_q4_0_mma_kernel():
+    """The CUDA tensor-core Q4_0 kernel (bf16 activations): M = 1..8, odd N, its geometries."""
+    rng = np.random.default_rng(16)
+    for n, k in ((1001, 1056), (70, 5376)):
+        raw = qm.random_blocks(rng, qm.Q4_0, (n,), k)
+        w64 = qm.dequantize_f64(raw, qm.Q4_0)
+        blocks = mx.array(raw)
+        for m in range(1, 9):
+            x, x64 = _acts(rng, (m, k), mx.bfloat16)
+            want, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+            for cfg in (None, qm.MmaConfig(1, 1), qm.MmaConfig(4, 2)) if m in (2, 8) else (None,):
+                out = qm.launch_dense_mma(x, blocks, n, config=cfg, init_value=NAN)
+                assert out.shape == (m, n) and out.dtype == mx.bfloat16
+                _check(out, want, bound, mx.bfloat16, f"q4_0 mma M={m} N={n} K={k} {cfg}")
+                # f32 accumulation of exact products: agrees with the f32 FMA kernel to f32 rounding
+                fma = qm.launch_dense(x, blocks, qm.Q4_0, n).astype(mx.float32)
+                assert mx.allclose(out.astype(mx.float32), fma, rtol=2**-7, atol=1e-6 * float(bound.max())).item()
