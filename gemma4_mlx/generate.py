@@ -174,6 +174,16 @@ def _hf_defaults(path: Path) -> GenerationDefaults:
                               min_p=get("min_p", float))
 
 
+def default_dtype():
+    """bf16 on GPUs; on the CPU f32 when a fast BLAS is verified (~20x faster than MLX's bf16 there,
+    see gemma4_mlx/blas.py), else bf16."""
+    if mx.default_device() == mx.cpu:
+        from . import blas
+
+        return blas.cpu_compute_dtype()
+    return mx.bfloat16
+
+
 def load(path: str | os.PathLike, dtype=None, progress: bool = True) -> tuple[Model, Tokenizer]:
     """Load (model, tokenizer) from a .gguf file, an HF directory, an HF repo id in the local HF cache,
     or "demo". dtype: mx.bfloat16 (default) or mx.float32, or their names, for every tensor that is not
@@ -181,7 +191,7 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = True) -> tuple[Mo
     general.sampling.* keys or generation_config.json. Raises LoadError (a ValueError) with one line
     naming the path and the cause."""
     if dtype is None:
-        dtype = mx.bfloat16
+        dtype = default_dtype()
     elif isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -516,8 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-kv-size", type=int, default=None,
                    help="bound the full-attention KV cache to this many positions (generation stops when full)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
-                   help="activation / float-weight dtype (float32 for exact comparisons)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="activation / float-weight dtype (default: bfloat16 on GPUs; float32 on a CPU with a "
+                        "fast BLAS, else bfloat16)")
     p.add_argument("--verbose", type=_str2bool, default=True,
                    help="True: stream with rulers and stats (default); False: print only the text")
     return p
@@ -563,7 +574,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--max-kv-size must be >= 1, got {args.max_kv_size}")
         if args.seed is not None:
             mx.random.seed(args.seed)
-        model, tokenizer = load(args.model, dtype=DTYPES[args.dtype], progress=sys.stderr.isatty())
+        model, tokenizer = load(args.model, dtype=DTYPES[args.dtype] if args.dtype else None,
+                                progress=sys.stderr.isatty())
+        if args.verbose and mx.default_device() == mx.cpu:
+            from . import blas
+
+            print(blas.describe(), file=sys.stderr)
         settings = _sampling_settings(args, model.generation_defaults)
         sampler = make_sampler(min_tokens_to_keep=args.min_tokens_to_keep, **settings)
         processors = make_logits_processors(repetition_penalty=args.repetition_penalty,

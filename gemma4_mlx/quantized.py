@@ -17,6 +17,15 @@ BITS = {Q4_0: 4, Q8_0: 8}
 GROUP_SIZE = 32
 
 
+def _dequantize_on_cpu(rows: int) -> bool:
+    """True where dequantize-to-f32 + BLAS beats mx.quantized_matmul (CPU, fast BLAS, many rows)."""
+    if mx.default_device() != mx.cpu:
+        return False
+    from . import blas
+
+    return blas.quantized_matmul_strategy(rows) == "dequantize_f32"
+
+
 class QuantizedLinear(nn.Module):
     """y = x @ W.T for W [out, in] stored as (weight uint32, scales, biases), group 32."""
 
@@ -29,6 +38,12 @@ class QuantizedLinear(nn.Module):
         self.biases = mx.zeros((out_dims, in_dims // GROUP_SIZE), mx.float32)
 
     def __call__(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1]
+        if _dequantize_on_cpu(rows):
+            # Prefill on CPU: one layer's f32 weight through the fast BLAS beats MLX's CPU
+            # quantized kernel ~40x at 512 rows (bench/cpu_matmul.py); freed after the matmul.
+            w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+            return (x.astype(mx.float32) @ w.T).astype(x.dtype)
         y = mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
                                 group_size=self.group_size, bits=self.bits)
         return y.astype(x.dtype)

@@ -166,3 +166,48 @@ def test_hidden_states_hook(dense_fixture, f32_models):
     again = model.logits(model.model.norm(hidden[-1]))
     assert np.array_equal(np.array(again), np.array(logits))
     assert np.array_equal(np.array(model(mx.array(ids[None]))), np.array(logits))
+
+
+_LOGITS_SCRIPT = """
+import sys, numpy as np
+import gemma4_mlx
+import mlx.core as mx
+from gemma4_mlx import blas
+from gemma4_mlx.checkpoint import load_gguf
+model, _ = load_gguf(sys.argv[1], dtype=mx.float32, progress=False)
+ids = np.load(sys.argv[2])
+np.save(sys.argv[3], np.array(model(mx.array(ids))))
+print(blas.active()["verified"])
+"""
+
+
+def test_logits_equal_with_and_without_fast_blas(dense_fixture, tmp_path):
+    """The f32 model through the preloaded BLAS equals the reference-BLAS run (Q4_0 prefill path too)."""
+    import os
+    import subprocess
+    import sys
+
+    from gemma4_mlx import blas
+
+    if not blas.active()["verified"]:
+        pytest.skip("no fast BLAS installed (CI installs Debian's OpenBLAS)")
+    ids = ids_for(dense_fixture, 40, seed=14)[None]
+    np.save(tmp_path / "ids.npy", ids)
+    outs = {}
+    for name, mode in (("fast", None), ("reference", "off")):
+        for qtype in ("f32", "q4_0"):
+            env = dict(os.environ)
+            env.pop("GEMMA4_MLX_BLAS", None)
+            if mode:
+                env["GEMMA4_MLX_BLAS"] = mode
+            out = tmp_path / f"{name}-{qtype}.npy"
+            r = subprocess.run([sys.executable, "-c", _LOGITS_SCRIPT, str(dense_fixture.gguf(qtype)),
+                                str(tmp_path / "ids.npy"), str(out)], env=env, capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+            outs[name, qtype] = (np.load(out), r.stdout.strip())
+    assert outs["fast", "f32"][1] == "True"
+    assert outs["reference", "f32"][1] == "False"
+    for qtype in ("f32", "q4_0"):
+        fast, ref = outs["fast", qtype][0], outs["reference", qtype][0]
+        assert rel_err(fast, ref) <= 1e-5
+        assert (fast.argmax(-1) == ref.argmax(-1)).all()
