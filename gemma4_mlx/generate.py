@@ -576,10 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             mx.random.seed(args.seed)
         model, tokenizer = load(args.model, dtype=DTYPES[args.dtype] if args.dtype else None,
                                 progress=sys.stderr.isatty())
-        if args.verbose and mx.default_device() == mx.cpu:
-            from . import blas
 
-            print(blas.describe(), file=sys.stderr)
         settings = _sampling_settings(args, model.generation_defaults)
         sampler = make_sampler(min_tokens_to_keep=args.min_tokens_to_keep, **settings)
         processors = make_logits_processors(repetition_penalty=args.repetition_penalty,
@@ -600,6 +597,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if not args.verbose:
         print(text)
+    elif mx.default_device() == mx.cpu:
+        from . import blas
+
+        print(blas.describe(), file=sys.stderr)
     return 0
 
 

@@ -238,7 +238,11 @@ def test_load_gguf_and_hf_dir_agree_with_generation_defaults(dense, dense_fixtur
     expected = GenerationDefaults(temp=1.0, top_p=0.95, top_k=64, min_p=None)
     assert model.generation_defaults == expected
     assert hf_model.generation_defaults == expected
-    bf16, _ = load(dense_fixture.hf_dir, progress=False)
+    bf16, _ = load(dense_fixture.hf_dir, dtype="bfloat16", progress=False)
+    default, _ = load(dense_fixture.hf_dir, progress=False)
+    from gemma4_mlx.generate import default_dtype
+
+    assert default.model.norm.weight.dtype == default_dtype()
     assert bf16.model.norm.weight.dtype == mx.bfloat16
 
 
