@@ -13,13 +13,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from custom_kernels import use_reference
 from tqdm import tqdm
 
 from . import quants
 from .config import ModelConfig
 from .gguf import GGMLType, read_gguf
 from .model import ExpertLinear, Model
-from .quantized import BITS, GROUP_SIZE, QuantizedEmbedding, QuantizedLinear, quantized_experts
+from .quantized import (BITS, BLOCK_TYPES, EXPERT_BLOCK_TYPES, GROUP_SIZE, BlockEmbedding, BlockExperts,
+                        BlockLinear, QuantizedEmbedding, QuantizedLinear, quantized_experts)
 from .weights import ROPE_FREQS, UnknownTensorName, gguf_to_hf_name, is_multimodal_tower, strip_hf_prefix
 
 
@@ -111,10 +113,16 @@ def _get_module(model: Model, path: str):
 
 
 def load_gguf(path: str | os.PathLike, dtype=mx.bfloat16, progress: bool = True,
-              keep_quantized: bool = True) -> tuple[Model, dict]:
+              keep_quantized: bool = True, weight_format: str = "auto") -> tuple[Model, dict]:
     """From a llama.cpp `gemma4` GGUF file (strictly validated; see gguf.py). Returns (model, metadata).
 
-    keep_quantized=False dequantizes Q4_0/Q8_0 tensors to `dtype` too (a float reference model)."""
+    weight_format: "blocks" keeps Q4_0/Q8_0/Q6_K tensors as the file's raw blocks for the fused
+    GPU kernels (custom_kernels.quant_matvec); "affine" maps Q4_0/Q8_0 to MLX affine quantization
+    (mx.quantized_matmul, the CPU path); "auto" picks blocks when custom kernels are in use.
+    keep_quantized=False dequantizes every quantized tensor to `dtype` (a float reference model)."""
+    if weight_format not in ("auto", "blocks", "affine"):
+        raise ValueError(f"weight_format must be auto, blocks or affine, got {weight_format!r}")
+    blocks = weight_format == "blocks" or (weight_format == "auto" and not use_reference())
     g = read_gguf(path)
     try:
         cfg = ModelConfig.from_gguf(g.metadata, g.tensors)
@@ -128,6 +136,26 @@ def load_gguf(path: str | os.PathLike, dtype=mx.bfloat16, progress: bool = True,
             except UnknownTensorName as e:
                 raise LoadError(f"{path}: {e}") from None
             if name is None:
+                continue
+            if keep_quantized and blocks and len(t.shape) == 3 and _expert_blocks(g.tensors, gname):
+                mod_path = name.rsplit(".", 2)[0]  # model.layers.N.experts
+                if not isinstance(_get_module(model, mod_path), BlockExperts):
+                    gu = g.tensors[gname.replace("ffn_down_exps", "ffn_gate_up_exps")]
+                    dn = g.tensors[gname.replace("ffn_gate_up_exps", "ffn_down_exps")]
+                    _set_module(model, mod_path, BlockExperts(gu.shape[0], gu.shape[2], gu.shape[1] // 2,
+                                                              gu.ggml_type, dn.ggml_type))
+                key = "gate_up_blocks" if "gate_up" in gname else "down_blocks"
+                params[f"{mod_path}.{key}"] = _raw_blocks(t)
+                continue
+            if keep_quantized and blocks and len(t.shape) == 2 and t.ggml_type in BLOCK_TYPES:
+                mod_path = name.rsplit(".", 1)[0]
+                out_dims, in_dims = t.shape
+                if mod_path.endswith(("embed_tokens", "embed_tokens_per_layer")):
+                    module = BlockEmbedding(out_dims, in_dims, t.ggml_type, dtype)
+                else:
+                    module = BlockLinear(in_dims, out_dims, t.ggml_type)
+                _set_module(model, mod_path, module)
+                params[f"{mod_path}.blocks"] = _raw_blocks(t)
                 continue
             if keep_quantized and t.ggml_type in BITS and len(t.shape) >= 2:
                 bits = BITS[t.ggml_type]
@@ -158,6 +186,23 @@ def load_gguf(path: str | os.PathLike, dtype=mx.bfloat16, progress: bool = True,
     finally:
         g.close()
     return model, g.metadata
+
+
+def _raw_blocks(t) -> mx.array:
+    """A GGUF tensor's bytes as uint8 [..., row_bytes] (rows along the last numpy axis)."""
+    arr = mx.array(t.data.reshape(*t.shape[:-1], -1))
+    mx.eval(arr)
+    return arr
+
+
+def _expert_blocks(tensors, gname: str) -> bool:
+    """Both expert tensors of this layer are of a type the expert-gather kernels read."""
+    if "_exps.weight" not in gname:
+        return False
+    gu = tensors.get(gname.replace("ffn_down_exps", "ffn_gate_up_exps"))
+    dn = tensors.get(gname.replace("ffn_gate_up_exps", "ffn_down_exps"))
+    return (gu is not None and dn is not None and gu.ggml_type in EXPERT_BLOCK_TYPES
+            and dn.ggml_type in EXPERT_BLOCK_TYPES)
 
 
 def _assign(model: Model, params: dict, source: str) -> None:

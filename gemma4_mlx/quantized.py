@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .quants import Q4_0, Q8_0
+from .quants import Q4_0, Q6_K, Q8_0
 
 BITS = {Q4_0: 4, Q8_0: 8}
 GROUP_SIZE = 32
@@ -72,3 +72,72 @@ def quantized_experts(num_experts: int, in_dims: int, out_dims: int, bits: int) 
         scales=mx.zeros((num_experts, out_dims, in_dims // GROUP_SIZE), mx.float32),
         biases=mx.zeros((num_experts, out_dims, in_dims // GROUP_SIZE), mx.float32),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Raw GGUF blocks (GPU backends): the file's bytes are the only copy of the weight, read by the
+# fused dequant-matvec kernels of custom_kernels.quant_matvec for 1..8 rows (decode, speculative
+# verification); more rows (prefill) go through the op's reference (dequantize + matmul).
+
+BLOCK_TYPES = (Q4_0, Q8_0, Q6_K)  # types the dense matvec kernels read
+EXPERT_BLOCK_TYPES = (Q4_0, Q8_0)  # types the expert-gather kernels read
+
+
+class BlockLinear(nn.Module):
+    """y = x @ W.T with W [out, in] held as raw GGUF blocks uint8 [out, row_bytes]."""
+
+    def __init__(self, in_dims: int, out_dims: int, ggml_type: int):
+        super().__init__()
+        from custom_kernels.quant_matvec import row_bytes
+
+        self.ggml_type = ggml_type
+        self.in_dims, self.out_dims = in_dims, out_dims
+        self.blocks = mx.zeros((out_dims, row_bytes(ggml_type, in_dims)), mx.uint8)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        from custom_kernels.quant_matvec import quant_matvec
+
+        return quant_matvec(x, self.blocks, self.ggml_type, self.out_dims)
+
+
+class BlockEmbedding(BlockLinear):
+    """Token embedding [V, H] as raw blocks; `as_linear` is the tied head (Q8_0 / Q6_K in official files)."""
+
+    def __init__(self, num_embeddings: int, dims: int, ggml_type: int, dtype=mx.bfloat16):
+        super().__init__(dims, num_embeddings, ggml_type)
+        self.dtype = dtype
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        from custom_kernels.quant_matvec import dequantize
+
+        return dequantize(self.blocks[tokens], self.ggml_type, self.in_dims).astype(self.dtype)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return BlockLinear.__call__(self, x)
+
+
+class BlockExperts(nn.Module):
+    """E GeGLU experts as raw blocks: gate|up [E, 2F, H] and down [E, H, F] (Q4_0 / Q8_0)."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int, gate_up_type: int, down_type: int):
+        super().__init__()
+        from custom_kernels.quant_matvec import row_bytes
+
+        self.width, self.hidden = width, hidden
+        self.gate_up_type, self.down_type = gate_up_type, down_type
+        self.gate_up_blocks = mx.zeros((num_experts, 2 * width, row_bytes(gate_up_type, hidden)), mx.uint8)
+        self.down_blocks = mx.zeros((num_experts, hidden, row_bytes(down_type, width)), mx.uint8)
+
+    def __call__(self, x: mx.array, weights: mx.array, indices: mx.array) -> mx.array:
+        """x [..., H], router weights fp32 / indices [..., k] -> [..., H] in x.dtype."""
+        from custom_kernels import quant_matvec as qm
+
+        gate_up_gather = {Q4_0: qm.q4_0_gate_up_gather, Q8_0: qm.q8_0_gate_up_gather}[self.gate_up_type]
+        matvec_gather = {Q4_0: qm.q4_0_matvec_gather, Q8_0: qm.q8_0_matvec_gather}[self.down_type]
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.hidden)
+        ids = indices.reshape(x2.shape[0], -1).astype(mx.int32)
+        gate_up = gate_up_gather(x2, ids, self.gate_up_blocks, self.width)  # [M, k, F]
+        y = matvec_gather(gate_up, ids, self.down_blocks, self.hidden)  # [M, k, H]
+        w = weights.reshape(ids.shape)[..., None]
+        return (y.astype(mx.float32) * w).sum(axis=-2).astype(x.dtype).reshape(*lead, self.hidden)

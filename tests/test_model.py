@@ -123,6 +123,27 @@ def test_quantized_gguf_matches_dequantized_float_forward(any_fixture, qtype):
     assert nmse < 1e-8
 
 
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_raw_block_weights_match_affine_weights(any_fixture, qtype):
+    """The GPU weight format (raw GGUF blocks read by custom_kernels, here through the ops'
+    references) gives the logits of the CPU format (MLX affine) and of dequantized floats."""
+    from gemma4_mlx.quantized import BlockExperts, BlockLinear
+
+    path = any_fixture.gguf(qtype)
+    blocks, _ = load_gguf(path, dtype=mx.float32, progress=False, weight_format="blocks")
+    affine, _ = load_gguf(path, dtype=mx.float32, progress=False, weight_format="affine")
+    assert isinstance(blocks.layers[0].mlp.gate_proj, BlockLinear)
+    if any_fixture.variant == "moe":
+        assert isinstance(blocks.layers[0].experts, BlockExperts)
+    ids = ids_for(any_fixture, 24, seed=15)
+    cache_b, cache_a = make_cache(blocks.cfg), make_cache(affine.cfg)
+    for chunk in (ids[:16], ids[16:17], ids[17:18]):  # prefill, then two decode steps (M = 1)
+        a = np.array(affine(mx.array(chunk[None]), cache_a))
+        b = np.array(blocks(mx.array(chunk[None]), cache_b))
+        assert rel_err(b, a) <= 1e-5
+        assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
 def test_bf16_argmax_agrees_with_f32(any_fixture, f32_models):
     """bf16 top-1 agreement with f32, judged against transformers' own bf16 run on the same ids.
 
