@@ -275,6 +275,14 @@ def sweep(dtype, quick, on_gpu):
 # --------------------------------------------------------------------------------------------
 
 
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def hardware() -> dict:
     info: dict = {"backend": custom_kernels.backend(), "machine": platform.machine(), "system": platform.system()}
     try:
@@ -333,7 +341,8 @@ def main() -> None:
     def save(done: bool) -> None:  # after every model, so an interrupted run keeps its numbers
         doc = dict(
             bench="bench/kernels.py", date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args),
-            hardware=hardware(), versions=dict(mlx=mx.__version__, numpy=np.__version__, python=platform.python_version()),
+            hardware=hardware(), versions=dict(mlx=mx.__version__, numpy=np.__version__, python=platform.python_version(),
+                                               commit=_commit()),
             copy_bandwidth=copy, results=rows, ratios=_ratios(rows), sweep=sweep_rows, complete=done,
             seconds=time.time() - t0,
         )  # fmt: skip

@@ -24,7 +24,9 @@ Ops (activations bf16, f32 or f16; output dtype = activation dtype; f32 accumula
 
 On a GPU build with at most 8 activation rows these run the custom kernel; on CPU, for M > 8, or
 with ``GEMMA4_MLX_KERNELS=reference`` they run the pure-MLX reference (dequantize to f32, matmul,
-cast), which is also the test oracle's twin. The CPU model path may prefer the lossless MLX-affine
+cast), which is also the test oracle's twin (on CUDA, MLX's f32 matmul uses TF32, so the
+reference is then only accurate to ~1e-3 relative; the kernels accumulate in true f32). On CUDA,
+Q4_0 with bf16 activations and M >= 2 runs a tensor-core variant (mma.sync, see below). The CPU model path may prefer the lossless MLX-affine
 mapping with ``mx.quantized_matmul`` (gemma4_mlx.quants) for memory; that choice belongs to the
 caller.
 
@@ -574,7 +576,8 @@ def default_config(ggml_type: int, kind: str, m: int, n: int, k: int, pairs: int
     block at M <= 4; four at M > 4 or when the row has fewer than 32 blocks (shorter per-lane
     vectors keep M x weights-per-lane activations in registers and idle fewer lanes on short
     rows). Threadgroups of 4 warps on CUDA, 2 SIMD groups on Metal, halved while that leaves
-    fewer than 256 threadgroups (small N must still fill the GPU).
+    fewer than 256 threadgroups (small N must still fill the GPU). CUDA dense M = 1: R = 2,
+    2 warps (the best of the H200 geometry sweep).
     """
     which = which or backend()
     r = 4
@@ -583,6 +586,8 @@ def default_config(ggml_type: int, kind: str, m: int, n: int, k: int, pairs: int
     if ggml_type != Q6_K and (m > 4 or nblocks < 32):
         lpb = 4
     nsg = 4 if which == "cuda" else 2
+    if which == "cuda" and m == 1 and kind == "dense":
+        r, nsg = 2, 2  # H200, 31B FFN gate: 32.7 us vs 34.8 us for (4, 4, 2) (bench/NOTES.md)
     rows = n if kind != "gate_up" else n  # gate_up: n is F (rows of gate)
     while nsg > 1 and math.ceil(rows / (r * nsg)) * pairs < 256:
         nsg //= 2

@@ -56,13 +56,14 @@ def test_dense_kernels(fmt, k, dtype):
         raw = qm.random_blocks(rng, ggml_type, (n,), k)
         w64 = qm.dequantize_f64(raw, ggml_type)
         blocks = mx.array(raw)
-        for m in range(1, 9):
+        for m in range(1, 9) if dtype == mx.float32 else (1, 3, 8):
             x, x64 = _acts(rng, (m, k), dtype)
             out = qm.launch_dense(x, blocks, ggml_type, n, init_value=NAN)
             assert out.dtype == dtype and out.shape == (m, n)
             _check(out, x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, dtype, f"{fmt} M={m} N={n} K={k}")
-            # the public op (dispatch) and a second run agree bit for bit
-            assert mx.array_equal(qm.quant_matvec(x, blocks, ggml_type, n), out).item()
+            # a second run agrees bit for bit; the public op (dispatch) is as accurate
+            assert mx.array_equal(qm.launch_dense(x, blocks, ggml_type, n), out).item()
+            _check(qm.quant_matvec(x, blocks, ggml_type, n), x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, dtype, "dispatch")
 
 
 @pytest.mark.parametrize("fmt,k", [("q4_0", 5376), ("q8_0", 1056), ("q6_k", 1280)])
@@ -136,13 +137,19 @@ def test_gather_invalid_expert_gives_nan():
 
 def test_dispatch_uses_kernel_and_reference_switch(monkeypatch):
     rng = np.random.default_rng(14)
-    raw = mx.array(qm.random_blocks(rng, qm.Q8_0, (300,), 512))
-    x = mx.array(rng.standard_normal((2, 4, 512)).astype(np.float32))  # M = 8 rows in [2, 4]
-    kernel = qm.q8_0_matvec(x, raw, 300)
+    raw = qm.random_blocks(rng, qm.Q8_0, (300,), 512)
+    w64 = qm.dequantize_f64(raw, qm.Q8_0)
+    x, x64 = _acts(rng, (2, 4, 512), mx.float32)  # M = 8 rows in [2, 4]
+    want, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+    kernel = qm.q8_0_matvec(x, mx.array(raw), 300)
+    _check(kernel, want, bound, mx.float32, "dispatch")
     monkeypatch.setenv(custom_kernels.KERNELS_ENV, "reference")
-    reference = qm.q8_0_matvec(x, raw, 300)
+    reference = qm.q8_0_matvec(x, mx.array(raw), 300)
     assert kernel.shape == reference.shape == (2, 4, 300)
-    np.testing.assert_allclose(np.array(kernel), np.array(reference), rtol=1e-4, atol=1e-4)
+    # MLX's CUDA f32 matmul runs on TF32 tensor cores (seen on the H200: 7e-4 relative), so on
+    # CUDA the reference path is only accurate to ~2^-10; the kernel is the accurate one.
+    err = np.abs(np.array(reference).astype(np.float64) - want) / bound
+    assert err.max() <= (2**-9 if custom_kernels.backend() == "cuda" else 1e-5)
 
 
 @pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA tensor-core kernel")
