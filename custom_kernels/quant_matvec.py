@@ -177,23 +177,34 @@ def _infer_k(blocks: mx.array, ggml_type: int) -> int:
     return blocks.shape[-1] // f.block_bytes * f.block_weights
 
 
+_CHUNK_WEIGHTS = 1 << 26  # dequantize at most this many weights (256 MiB f32) at a time
+
+
 def matvec_reference(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.array:
-    """Reference: x [..., K] @ dequantize(blocks [N, ...]).T in f32, cast to x.dtype -> [..., N]."""
+    """Reference: x [..., K] @ dequantize(blocks [N, ...]).T in f32, cast to x.dtype -> [..., N].
+
+    Large weights (e.g. the 262144-row head) are dequantized in row chunks of at most
+    2^26 weights, so the f32 copy never exists whole."""
     k = _check_dense(x, blocks, ggml_type, n)
-    w = dequantize(blocks, ggml_type, k)
-    return (x.astype(mx.float32) @ w.T).astype(x.dtype)
-
-
-def _gathered_weights(ids: mx.array, blocks: mx.array, ggml_type: int, k: int) -> mx.array:
-    return dequantize(mx.take(blocks, ids, axis=0), ggml_type, k)  # [M, k, N, K] f32
-
-
-def _slot_rows(x: mx.array, ids: mx.array) -> mx.array:
-    """Activation row of every (token, slot): [M, k, K] f32."""
     xf = x.astype(mx.float32)
-    if x.ndim == 3:
-        return xf
-    return mx.broadcast_to(xf[:, None, :], (ids.shape[0], ids.shape[1], x.shape[-1]))
+    step = max(1, _CHUNK_WEIGHTS // k)
+    parts = [xf @ dequantize(blocks[a : a + step], ggml_type, k).T for a in range(0, n, step)]
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    return out.astype(x.dtype)
+
+
+def _expert_products(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, k: int) -> mx.array:
+    """f32 W[ids[m, s]] @ row(m, s) -> [M, k, N]; row = x[m] (x [M, K]) or x[m, s] (x [M, k, K]).
+
+    Few (token, slot) pairs: dequantize just the selected experts. Many (prefill): dequantize the
+    stack once and let gather_mm pick, instead of an [M, k, N, K] copy of the weights."""
+    xf = x.astype(mx.float32)
+    rows = xf[:, None, None, :] if x.ndim == 2 else xf[..., None, :]  # [M, 1 | k, 1, K]
+    if ids.size < blocks.shape[0]:
+        w = dequantize(mx.take(blocks, ids, axis=0), ggml_type, k)  # [M, k, N, K]
+        return (w @ mx.swapaxes(rows, -1, -2))[..., 0]
+    w = dequantize(blocks, ggml_type, k)  # [E, N, K]
+    return mx.gather_mm(rows, mx.swapaxes(w, -1, -2), rhs_indices=ids)[..., 0, :]
 
 
 def matvec_gather_reference(
@@ -201,9 +212,7 @@ def matvec_gather_reference(
 ) -> mx.array:
     """Reference for expert-gathered matvec: out[m, s] = W[ids[m, s]] @ x[m] (or x[m, s]) -> [M, k, N]."""
     k = _check_gather(x, ids, blocks, ggml_type, n)
-    w = _gathered_weights(ids, blocks, ggml_type, k)
-    out = (w @ _slot_rows(x, ids)[..., None])[..., 0]
-    return out.astype(x.dtype)
+    return _expert_products(x, ids, blocks, ggml_type, k).astype(x.dtype)
 
 
 def gate_up_gather_reference(
@@ -213,8 +222,7 @@ def gate_up_gather_reference(
     k = _check_gather(x, ids, blocks, ggml_type, 2 * f)
     if x.ndim != 2:
         raise ValueError("gate_up: x must be [M, K] (every slot reads its token's row)")
-    w = _gathered_weights(ids, blocks, ggml_type, k)
-    gu = (w @ _slot_rows(x, ids)[..., None])[..., 0]
+    gu = _expert_products(x, ids, blocks, ggml_type, k)
     return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
 
 

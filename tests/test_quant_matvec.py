@@ -77,7 +77,7 @@ def test_gather_reference_vs_float64(fmt, per_slot):
     experts, n, slots = 6, 13, 3
     raw = qm.random_blocks(rng, ggml_type, (experts, n), k)
     w64 = qm.dequantize_f64(raw, ggml_type)
-    for m in (1, 4, 8):
+    for m in (1, 4, 8):  # m * slots < experts selects experts; more dequantizes the stack (gather_mm)
         ids = np.stack([rng.permutation(experts)[:slots] for _ in range(m)]).astype(np.int32)
         x, x64 = _to_mx(rng.standard_normal((m, slots, k) if per_slot else (m, k)), mx.float32)
         out = qm.matvec_gather_reference(x, mx.array(ids), mx.array(raw), ggml_type, n)
@@ -86,6 +86,16 @@ def test_gather_reference_vs_float64(fmt, per_slot):
         want = np.einsum("msnk,msk->msn", w64[ids], xs)
         bound = np.einsum("msnk,msk->msn", np.abs(w64[ids]), np.abs(xs))
         _within(np.array(out), want, bound, 1e-5)
+
+
+def test_dense_reference_in_row_chunks(monkeypatch):
+    """A weight larger than the dequantization chunk gives the same result in pieces."""
+    rng = np.random.default_rng(9)
+    raw = mx.array(qm.random_blocks(rng, qm.Q8_0, (50,), 64))
+    x = mx.array(rng.standard_normal((2, 64)).astype(np.float32))
+    whole = qm.matvec_reference(x, raw, qm.Q8_0, 50)
+    monkeypatch.setattr(qm, "_CHUNK_WEIGHTS", 64 * 7)  # 7-row chunks, the last one short
+    assert mx.array_equal(qm.matvec_reference(x, raw, qm.Q8_0, 50), whole).item()
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
