@@ -8,6 +8,7 @@ every other type becomes `dtype` (bf16 by default, f32 for exact comparisons).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from pathlib import Path
 
@@ -84,17 +85,51 @@ def load_hf(path: str | os.PathLike, dtype=mx.bfloat16, progress: bool = True) -
     return model
 
 
-def _gguf_array(t, dtype) -> mx.array:
-    """A float GGUF tensor (any non-Q4_0/Q8_0 type) as an MLX array of `dtype`."""
-    if t.ggml_type == GGMLType.F32:
-        arr = mx.array(t.data.view(np.float32).reshape(t.shape))
-    elif t.ggml_type == GGMLType.F16:
-        arr = mx.array(t.data.view(np.float16).reshape(t.shape))
-    elif t.ggml_type == GGMLType.BF16:
-        arr = mx.array(t.data.view(np.uint16).reshape(t.shape)).view(mx.bfloat16)
-    else:
-        arr = mx.array(quants.dequantize(t.data, t.ggml_type, t.shape))
-    return arr.astype(dtype)
+_CHUNK_BYTES = 16 << 20
+
+
+def _row_chunks(t, mapping=None):
+    """Row ranges (a, b) of a GGUF tensor, about _CHUNK_BYTES of file bytes each. With the file's
+    mapping, each chunk's pages are dropped once the consumer moves on (it has copied them)."""
+    rows = t.shape[0]
+    row_bytes = t.nbytes // rows
+    step = max(1, _CHUNK_BYTES // max(row_bytes, 1))
+    for a in range(0, rows, step):
+        b = min(a + step, rows)
+        yield a, b
+        if mapping is not None:
+            _release_pages(mapping, t.offset + a * row_bytes, (b - a) * row_bytes)
+
+
+def _filled(shape, dtype, chunks) -> mx.array:
+    """An evaluated array of `shape` filled chunk by chunk ((row_start, row_end, mx.array) pairs).
+
+    Each slice update is evaluated at once and done in place (the buffer is donated), so the peak is
+    the final array plus one chunk, not a second full copy."""
+    out = mx.zeros(shape, dtype)
+    for a, b, chunk in chunks:
+        out[a:b] = chunk
+        mx.eval(out)
+    return out
+
+
+def _gguf_array(t, dtype, mapping=None) -> mx.array:
+    """A float GGUF tensor (any non-Q4_0/Q8_0 type) as an evaluated MLX array of `dtype`, converted
+    in row chunks so the peak stays near the final size."""
+    raw = t.data.reshape(t.shape[0], -1)
+
+    def chunk(a, b):
+        rows = raw[a:b]
+        sub = (b - a, *t.shape[1:])
+        if t.ggml_type == GGMLType.F32:
+            return mx.array(rows.view(np.float32).reshape(sub)).astype(dtype)
+        if t.ggml_type == GGMLType.F16:
+            return mx.array(rows.view(np.float16).reshape(sub)).astype(dtype)
+        if t.ggml_type == GGMLType.BF16:
+            return mx.array(rows.view(np.uint16).reshape(sub)).view(mx.bfloat16).astype(dtype)
+        return mx.array(quants.dequantize(rows, t.ggml_type, sub)).astype(dtype)
+
+    return _filled(t.shape, dtype, ((a, b, chunk(a, b)) for a, b in _row_chunks(t, mapping)))
 
 
 def _set_module(model: Model, path: str, module) -> None:
@@ -137,62 +172,86 @@ def load_gguf(path: str | os.PathLike, dtype=mx.bfloat16, progress: bool = True,
                 raise LoadError(f"{path}: {e}") from None
             if name is None:
                 continue
-            if keep_quantized and blocks and len(t.shape) == 3 and _expert_blocks(g.tensors, gname):
-                mod_path = name.rsplit(".", 2)[0]  # model.layers.N.experts
-                if not isinstance(_get_module(model, mod_path), BlockExperts):
-                    gu = g.tensors[gname.replace("ffn_down_exps", "ffn_gate_up_exps")]
-                    dn = g.tensors[gname.replace("ffn_gate_up_exps", "ffn_down_exps")]
-                    _set_module(model, mod_path, BlockExperts(gu.shape[0], gu.shape[2], gu.shape[1] // 2,
-                                                              gu.ggml_type, dn.ggml_type))
-                key = "gate_up_blocks" if "gate_up" in gname else "down_blocks"
-                params[f"{mod_path}.{key}"] = _raw_blocks(t)
-                continue
-            if keep_quantized and blocks and len(t.shape) == 2 and t.ggml_type in BLOCK_TYPES:
-                mod_path = name.rsplit(".", 1)[0]
-                out_dims, in_dims = t.shape
-                if mod_path.endswith(("embed_tokens", "embed_tokens_per_layer")):
-                    module = BlockEmbedding(out_dims, in_dims, t.ggml_type, dtype)
-                else:
-                    module = BlockLinear(in_dims, out_dims, t.ggml_type)
-                _set_module(model, mod_path, module)
-                params[f"{mod_path}.blocks"] = _raw_blocks(t)
-                continue
-            if keep_quantized and t.ggml_type in BITS and len(t.shape) >= 2:
-                bits = BITS[t.ggml_type]
-                mod_path = name.rsplit(".", 1)[0]
-                if len(t.shape) == 3:
-                    expert = _get_module(model, mod_path)
-                    assert isinstance(expert, ExpertLinear)
-                    for k, v in quantized_experts(*t.shape[:1], t.shape[2], t.shape[1], bits).items():
-                        setattr(expert, k, v)
-                    expert.bits, expert.group_size = bits, GROUP_SIZE
-                else:
-                    out_dims, in_dims = t.shape
-                    if mod_path.endswith(("embed_tokens", "embed_tokens_per_layer")):
-                        module = QuantizedEmbedding(out_dims, in_dims, bits, dtype)
-                    else:
-                        module = QuantizedLinear(in_dims, out_dims, bits)
-                    _set_module(model, mod_path, module)
-                to_affine = quants.q4_0_to_mlx_affine if bits == 4 else quants.q8_0_to_mlx_affine
-                w, s, b = to_affine(t.data, t.shape)
-                for suffix, arr in (("weight", w), ("scales", s.astype(np.float32)), ("biases", b.astype(np.float32))):
-                    params[f"{mod_path}.{suffix}"] = mx.array(arr)
-                    mx.eval(params[f"{mod_path}.{suffix}"])
-                continue
-            arr = _gguf_array(t, dtype)
-            mx.eval(arr)
-            params[name] = arr
+            params.update(_gguf_params(model, g, gname, t, name, dtype,
+                                       "float" if not keep_quantized else "blocks" if blocks else "affine"))
+            _release_pages(g.mapping, t.offset, t.nbytes)
+            mx.clear_cache()  # freed conversion chunks go back to the OS, not MLX's buffer cache
         _assign(model, params, str(path))
     finally:
         g.close()
     return model, g.metadata
 
 
-def _raw_blocks(t) -> mx.array:
+def _gguf_params(model: Model, g, gname: str, t, name: str, dtype, fmt: str) -> dict:
+    """MLX parameters for one GGUF tensor; swaps in the module its format needs (fmt: blocks, affine
+    or float). Every returned array is evaluated."""
+    if fmt == "blocks" and len(t.shape) == 3 and _expert_blocks(g.tensors, gname):
+        mod_path = name.rsplit(".", 2)[0]  # model.layers.N.experts
+        if not isinstance(_get_module(model, mod_path), BlockExperts):
+            gu = g.tensors[gname.replace("ffn_down_exps", "ffn_gate_up_exps")]
+            dn = g.tensors[gname.replace("ffn_gate_up_exps", "ffn_down_exps")]
+            _set_module(model, mod_path, BlockExperts(gu.shape[0], gu.shape[2], gu.shape[1] // 2,
+                                                      gu.ggml_type, dn.ggml_type))
+        key = "gate_up_blocks" if "gate_up" in gname else "down_blocks"
+        return {f"{mod_path}.{key}": _raw_blocks(t, g.mapping)}
+    if fmt == "blocks" and len(t.shape) == 2 and t.ggml_type in BLOCK_TYPES:
+        mod_path = name.rsplit(".", 1)[0]
+        out_dims, in_dims = t.shape
+        if mod_path.endswith(("embed_tokens", "embed_tokens_per_layer")):
+            module = BlockEmbedding(out_dims, in_dims, t.ggml_type, dtype)
+        else:
+            module = BlockLinear(in_dims, out_dims, t.ggml_type)
+        _set_module(model, mod_path, module)
+        return {f"{mod_path}.blocks": _raw_blocks(t, g.mapping)}
+    if fmt != "float" and t.ggml_type in BITS and len(t.shape) >= 2:
+        bits = BITS[t.ggml_type]
+        mod_path = name.rsplit(".", 1)[0]
+        if len(t.shape) == 3:
+            expert = _get_module(model, mod_path)
+            assert isinstance(expert, ExpertLinear)
+            for k, v in quantized_experts(*t.shape[:1], t.shape[2], t.shape[1], bits).items():
+                setattr(expert, k, v)
+            expert.bits, expert.group_size = bits, GROUP_SIZE
+        else:
+            out_dims, in_dims = t.shape
+            if mod_path.endswith(("embed_tokens", "embed_tokens_per_layer")):
+                module = QuantizedEmbedding(out_dims, in_dims, bits, dtype)
+            else:
+                module = QuantizedLinear(in_dims, out_dims, bits)
+            _set_module(model, mod_path, module)
+        to_affine = quants.q4_0_to_mlx_affine if bits == 4 else quants.q8_0_to_mlx_affine
+        raw = t.data.reshape(t.shape[0], -1)
+        outs = None
+        for a, b in _row_chunks(t, g.mapping):
+            parts = to_affine(raw[a:b], (b - a, *t.shape[1:]))
+            if outs is None:
+                outs = [mx.zeros((t.shape[0], *p.shape[1:]), dt)
+                        for p, dt in zip(parts, (mx.uint32, mx.float32, mx.float32))]
+            for out, part in zip(outs, parts):
+                out[a:b] = mx.array(part).astype(out.dtype)
+            del parts
+            mx.eval(outs)
+        return dict(zip((f"{mod_path}.weight", f"{mod_path}.scales", f"{mod_path}.biases"), outs))
+    return {name: _gguf_array(t, dtype, g.mapping)}
+
+
+def _release_pages(mapping, offset: int, length: int) -> None:
+    """Drop the mapped file pages of bytes already copied into MLX, so the load's resident memory
+    stays near the final weight memory (file-backed pages would otherwise count twice)."""
+    if mapping is None or not hasattr(mapping, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = (offset // page) * page
+    try:
+        mapping.madvise(mmap.MADV_DONTNEED, start, offset + length - start)
+    except (OSError, ValueError):
+        pass
+
+
+def _raw_blocks(t, mapping=None) -> mx.array:
     """A GGUF tensor's bytes as uint8 [..., row_bytes] (rows along the last numpy axis)."""
-    arr = mx.array(t.data.reshape(*t.shape[:-1], -1))
-    mx.eval(arr)
-    return arr
+    raw = t.data.reshape(*t.shape[:-1], -1)
+    return _filled(raw.shape, mx.uint8, ((a, b, mx.array(raw[a:b])) for a, b in _row_chunks(t, mapping)))
 
 
 def _expert_blocks(tensors, gname: str) -> bool:
