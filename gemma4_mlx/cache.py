@@ -164,3 +164,80 @@ def rollback(cache: list, length: int) -> None:
     for c in cache:
         if c is not None:
             c.rollback(length)
+
+
+class StaticKVCache:
+    """Full-attention cache of fixed capacity whose length is an int32 array, for a compiled decode
+    step: every update is a slice update at an array offset, so shapes never change."""
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    @classmethod
+    def from_cache(cls, cache: KVCache, capacity: int) -> "StaticKVCache":
+        if cache.keys is None:
+            raise ValueError("prefill the cache before making it static")
+        B, H, _, Dk = cache.keys.shape
+        keys = mx.zeros((B, H, capacity, Dk), cache.keys.dtype)
+        values = mx.zeros((B, H, capacity, cache.values.shape[3]), cache.values.dtype)
+        keys[:, :, : cache.offset] = cache.keys[:, :, : cache.offset]
+        values[:, :, : cache.offset] = cache.values[:, :, : cache.offset]
+        return cls(keys, values, mx.array(cache.offset, dtype=mx.int32))
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        T = keys.shape[2]
+        start = self.offset.reshape(1)
+        self.keys = mx.slice_update(self.keys, keys, start, axes=[2])
+        self.values = mx.slice_update(self.values, values, start, axes=[2])
+        self.offset = self.offset + T
+        slots = mx.arange(self.capacity, dtype=mx.int32)
+        return self.keys, self.values, mx.where(slots < self.offset, slots, -1)
+
+    @property
+    def state(self):
+        return [self.keys, self.values, self.offset]
+
+
+class StaticRotatingKVCache:
+    """A RotatingKVCache ring with its write position as an int32 array (one token per update)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, positions: mx.array, offset: mx.array):
+        self.keys, self.values, self.positions, self.offset = keys, values, positions, offset
+
+    @classmethod
+    def from_cache(cls, cache: RotatingKVCache) -> "StaticRotatingKVCache":
+        if cache.keys is None:
+            raise ValueError("prefill the cache before making it static")
+        return cls(cache.keys, cache.values, cache.positions, mx.array(cache.offset, dtype=mx.int32))
+
+    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        if keys.shape[2] != 1:
+            raise ValueError("a static ring cache takes one token per step")
+        capacity = self.keys.shape[2]
+        slot = (self.offset % capacity).reshape(1)
+        self.keys = mx.slice_update(self.keys, keys, slot, axes=[2])
+        self.values = mx.slice_update(self.values, values, slot, axes=[2])
+        self.positions = mx.slice_update(self.positions, self.offset.reshape(1), slot, axes=[0])
+        self.offset = self.offset + 1
+        return self.keys, self.values, self.positions
+
+    @property
+    def state(self):
+        return [self.keys, self.values, self.positions, self.offset]
+
+
+def make_static(cache: list, capacity: int) -> list:
+    """Fixed-shape copies of prefilled caches: full layers get `capacity` slots."""
+    out = []
+    for c in cache:
+        if c is None:
+            out.append(None)
+        elif isinstance(c, RotatingKVCache):
+            out.append(StaticRotatingKVCache.from_cache(c))
+        else:
+            out.append(StaticKVCache.from_cache(c, capacity))
+    return out

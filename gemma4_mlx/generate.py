@@ -35,8 +35,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from .cache import make_cache
+from .cache import cache_length, make_cache
 from .checkpoint import LoadError, load_gguf, load_hf
+from .compiled_step import CompiledDecoder
 from .config import ConfigError
 from .gguf import GGUFError
 from .model import Model
@@ -242,6 +243,7 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
                   max_kv_size: int | None = None, prompt_cache: list | None = None,
                   prefill_step_size: int = 2048,
                   prompt_progress_callback: Callable[[int, int], None] | None = None,
+                  compiled: bool = True,
                   ) -> Iterator[tuple[int, mx.array]]:
     """Yield (token id, logprobs fp32 [V]) for up to max_tokens new tokens after `prompt` (ids, 1-D).
 
@@ -249,7 +251,9 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
     default a fresh cache bounded by max_kv_size. The prompt is prefilled in chunks of
     prefill_step_size; decoding runs one step ahead of the consumer (`mx.async_eval`), so a stop after a
     token leaves that token in the cache too. Generation ends early (no error) when a bounded cache is
-    full; a prompt that does not fit raises ValueError."""
+    full; a prompt that does not fit raises ValueError. compiled: decode through one `mx.compile`d
+    step over fixed-shape caches (compiled_step.py) when the cache is this call's own (no
+    prompt_cache), else eager steps that keep updating prompt_cache."""
     tokens = mx.array(prompt, dtype=mx.int32) if not isinstance(prompt, mx.array) else prompt.astype(mx.int32)
     tokens = tokens.reshape(-1)
     n_prompt = tokens.size
@@ -294,12 +298,26 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
     if prompt_progress_callback:
         prompt_progress_callback(n_prompt, n_prompt)
 
+    decoder = None
+    if compiled and prompt_cache is None and isinstance(model, Model) and max_tokens > 1:
+        length = cache_length(cache)
+        capacity = -(-(length + max_tokens) // 256) * 256
+        if max_kv_size is not None:
+            capacity = min(capacity, max_kv_size)
+        decoder = CompiledDecoder(model, cache, capacity)
+
+    def room() -> int | None:
+        if decoder is not None:
+            return decoder.capacity - decoder.length if max_kv_size is not None else None
+        return _free_positions(cache)
+
     n = 0
     while n < max_tokens:
         following = None
-        room = _free_positions(cache)
-        if n + 1 < max_tokens and (room is None or room > 0):
-            following = choose(_last_logits(model, y[None], cache))
+        free = room()
+        if n + 1 < max_tokens and (free is None or free > 0):
+            logits = decoder(y[None]) if decoder is not None else _last_logits(model, y[None], cache)
+            following = choose(logits)
             mx.async_eval(*following)
         yield int(y.item()), logprobs
         n += 1

@@ -93,7 +93,7 @@ class Attention(nn.Module):
             if cache is not None:
                 keys, values, positions = cache.update(k, v)
             else:
-                keys, values, positions = k, v, mx.arange(offset, offset + T, dtype=mx.int32)
+                keys, values, positions = k, v, offset + mx.arange(T, dtype=mx.int32)
             shared_kv[s.type] = (keys, values, positions)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask_fn(s, positions))
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
@@ -227,7 +227,7 @@ class TextModel(nn.Module):
         if hidden_states is not None:
             hidden_states.append(h)
         ple = self.per_layer_inputs(tokens, h) if self.cfg.hidden_size_per_layer_input else None
-        q_pos = mx.arange(offset, offset + T, dtype=mx.int32)
+        q_pos = offset + mx.arange(T, dtype=mx.int32)  # offset: int, or an int32 array in a compiled step
         masks = {}
 
         def mask_fn(spec: LayerSpec, k_pos: mx.array):

@@ -1,0 +1,68 @@
+"""The decode step compiled once and replayed per token.
+
+After prefill, the caches are copied into fixed-shape buffers (cache.make_static) whose lengths are
+int32 arrays; one token's forward is then a pure function of (token, cache buffers) with constant
+shapes, so `mx.compile` traces it once per cache capacity. The old buffers are dropped before the
+step is evaluated, so MLX can update them in place (donation) instead of copying the whole cache.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .cache import StaticKVCache, StaticRotatingKVCache, cache_length, make_static
+
+
+def _flatten(caches: list) -> list[mx.array]:
+    return [a for c in caches if c is not None for a in c.state]
+
+
+def _rebuild(kinds: list, arrays: list[mx.array]) -> list:
+    out, i = [], 0
+    for kind in kinds:
+        if kind is None:
+            out.append(None)
+        elif kind is StaticRotatingKVCache:
+            out.append(StaticRotatingKVCache(*arrays[i : i + 4]))
+            i += 4
+        else:
+            out.append(StaticKVCache(*arrays[i : i + 3]))
+            i += 3
+    return out
+
+
+class CompiledDecoder:
+    """Decode one token at a time through a compiled step over fixed-shape caches.
+
+    model: gemma4_mlx.model.Model; cache: prefilled caches from cache.make_cache; capacity: slots
+    for full-attention layers (>= the final length). `step(token int32 [1, 1]) -> logits fp32 [1, V]`.
+    """
+
+    def __init__(self, model, cache: list, capacity: int):
+        self.model = model
+        static = make_static(cache, capacity)
+        # keep only the cache kinds: holding the first buffers would keep a second copy alive
+        self.kinds = [None if c is None else type(c) for c in static]
+        self.state = _flatten(static)
+        del static
+        mx.eval(self.state)
+        self.capacity = capacity
+        self.length = cache_length(cache)  # positions held, tracked on the host (no sync per step)
+
+        self.traces = 0  # how often MLX traced the step (the Python body runs only when tracing)
+
+        def step(token, *state):
+            self.traces += 1
+            caches = _rebuild(self.kinds, list(state))
+            h = model.model(token, caches)
+            return (model.logits(h[:, -1, :]), *_flatten(caches))
+
+        self._step = mx.compile(step)
+
+    def __call__(self, token: mx.array) -> mx.array:
+        state, self.state = self.state, None
+        logits, *new_state = self._step(token, *state)
+        del state  # the step's graph holds the only references: MLX may update the buffers in place
+        self.state = new_state
+        self.length += token.shape[-1]
+        return logits
