@@ -1,10 +1,10 @@
-"""`python -m gemma4_mlx COMMAND [ARGS]`: COMMAND is generate, convert, chat or server (each also runs as
+"""`python -m gemma4_mlx COMMAND [ARGS]`: COMMAND is generate or convert (each also runs as
 `python -m gemma4_mlx.COMMAND`)."""
 
 import importlib
 import sys
 
-COMMANDS = ("generate", "convert", "chat", "server")
+COMMANDS = ("generate", "convert")
 
 
 def main(argv: list[str] | None = None) -> int:
