@@ -530,12 +530,9 @@ _MERGE_BODY = (
   const float S = g4s_block_sum(sl, red, ph ^= 1, tid, NSG);
   // candidates, EPT consecutive per thread (their array order is vocabulary order)
   const int first = tid * EPT;
-  uint32_t key[EPT];
-  int cidx[EPT];
+  uint32_t key[EPT];  // (indices are read again only for the selected slots)
   $unroll for (int j = 0; j < EPT; ++j) {
-    const bool ok = first + j < C;
-    key[j] = ok ? g4s_key(cand_val[(size_t)row * C + first + j]) : 0u;
-    cidx[j] = ok ? cand_idx[(size_t)row * C + first + j] : 0x7fffffff;
+    key[j] = first + j < C ? g4s_key(cand_val[(size_t)row * C + first + j]) : 0u;
   }
   int pick = 0;
   if (K == 1) {
@@ -545,7 +542,7 @@ _MERGE_BODY = (
     $unroll for (int j = 0; j < EPT; ++j) {
       if (first + j == pos_best) {
         sk[0] = key[j];
-        si[0] = cidx[j];
+        si[0] = cand_idx[(size_t)row * C + first + j];
       }
     }
     $barrier;
@@ -562,7 +559,7 @@ _MERGE_BODY = (
       const bool eq = key[j] == tau;
       if (gt || (eq && eqr < take)) {
         sk[out] = key[j];
-        si[out] = cidx[j];
+        si[out] = first + j < C ? cand_idx[(size_t)row * C + first + j] : 0x7fffffff;
         ++out;
       }
       eqr += eq ? 1 : 0;
