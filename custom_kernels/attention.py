@@ -1,0 +1,898 @@
+"""Decode attention straight over the KV cache buffers (split-GQA, sequence partitions).
+
+Semantics (gemma4-spec.md §3.4, §5; the model's ``mx.fast.scaled_dot_product_attention`` call with
+the mask of ``TextModel.mask_fn``):
+
+- ``q`` [B, n_q, M, D] (bf16, f32 or f16): M = 1..8 query rows of every head, row m at absolute
+  position ``q_positions[m]`` (int32 [M]).
+- ``k_cache``, ``v_cache`` [B, n_kv, S, D] (bf16 by default, f32/f16 accepted): whole cache
+  buffers; ``positions`` int32 [S] is the absolute position held by each slot, -1 for an empty
+  slot. Sliding layers keep a ring (slots in any order); full layers hold positions 0..len-1 in
+  slots 0..len-1 and S may be a preallocated capacity larger than len (slots past len hold -1, or
+  any position > the query's, which the causal test excludes).
+- Query row m may attend slot s iff ``positions[s] >= 0``, ``positions[s] <= q_positions[m]`` and,
+  on sliding layers, ``q_positions[m] - positions[s] < window`` (W keys including itself).
+- Scale 1.0, no softcap. GQA: query head h reads kv head ``h // (n_q // n_kv)``.
+- Softmax in f32 with the exact max, f32 accumulation; output [B, n_q, M, D] in q's dtype. A row
+  with no attendable slot gives 0 (the model never produces one: a query always sees itself).
+
+Ops:
+
+- ``decode_attention(q, k_cache, v_cache, positions, q_positions, window=None, *, n_slots=None)``:
+  the custom kernels on Metal/CUDA (head dim 128/256/512, M <= 8), else the reference.
+  ``n_slots`` (optional, int or int32 array [1]): only slots ``0..n_slots-1`` can hold an
+  attendable position (a full layer's valid length). It is a work bound, not a mask: slots past
+  it are skipped; by default every slot is scanned (always right, and what a ring needs).
+- ``decode_attention_reference(...)``: the same in plain MLX ops (f32 matmuls, masked softmax);
+  what runs on CPU and the GPU tests' twin.
+- ``attend_mask(q_positions, positions, window)``: the bool [M, S] mask above.
+
+Kernel design (one body for Metal and CUDA through ``custom_kernels.dialect``):
+
+1. ``g4_attn_decode_partial``: one threadgroup per (batch x kv head, sequence partition, query
+   tile). It loads each K/V row of its partition once and serves all G = n_q / n_kv query heads x
+   M rows of its group ("split-GQA", seed 000 K3: one K/V read for the whole GQA group). The query
+   rows (G*M of them, in tiles of QT rows: r = g*M + m, contiguous in q) sit in threadgroup memory
+   as f32. Slots go in tiles of TS: (a) scores: each SIMD group takes SB consecutive slots at a
+   time; lane l holds elements 4l + 128j + {0..3} of each K row (coalesced vector loads straight
+   from the cache, converted to f32), forms its partial dot products with every query row and one
+   butterfly reduction across the 32 lanes gives all SB scores (SB - 1 + log2(32/SB) shuffles
+   instead of 5 per score); masked pairs get -inf; (b) softmax: one SIMD group per row updates the
+   running max m and sum l exactly (online softmax), turning scores into exp(s - m) and recording
+   the rescale factor exp(m_old - m_new); (c) values: each thread owns 4 output elements of some
+   rows, rescales them and adds p * v for the tile's slots, reading each V row once. Slots that no
+   query row may attend (empty ring slots, positions past the query, outside the window, past
+   n_slots) are never read, so stale or poisoned cache contents cannot leak in. Each partition
+   writes its unnormalized state (m, l) [BH, P, QR, 2] and acc [BH, P, QR, D] in f32.
+2. ``g4_attn_decode_merge``: one threadgroup per output row merges the partitions in ascending
+   order (global max first, then sum of exp(m_p - max) * (l_p, acc_p)), divides, and writes q's
+   dtype. Fixed order: deterministic, bit-identical run to run.
+
+Shape stability: the grid has P partitions fixed by the capacity S (so one compiled decode step
+serves every token); the valid length ``n_slots`` is an input array, and each partition's slot
+range is computed on the device: chunk = max(CMIN, ceil(n_slots / P)) rounded up to TS, and only
+the first ceil(n_slots / chunk) partitions do work (the others exit at once; the merge reads only
+those). Template instantiations: one per (dtypes, D, G, M, window, geometry); a model has two
+layer types, so decode compiles two pairs of kernels (plus one per extra M used by verification).
+
+exp: the kernels use ``g4_attn_exp``, a Cody-Waite range reduction plus a degree-7 polynomial
+(about 1 ulp on the x <= 0 it is used for), so the same text runs on Metal, CUDA and the CPU
+compile/emulator tests, whose Metal shim has no exp.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from . import backend, get_kernel, use_reference
+from .dialect import prelude, render
+
+__all__ = [
+    "decode_attention",
+    "decode_attention_reference",
+    "attend_mask",
+    "launch_decode_attention",
+    "AttentionConfig",
+    "default_config",
+    "DecodePlan",
+    "plan_decode",
+    "partition_layout",
+    "KERNEL_HEAD_DIMS",
+    "MAX_QUERY_ROWS",
+    "attention_f64",
+    "partials_f64",
+    "kernel_specs",
+]
+
+KERNEL_HEAD_DIMS = (128, 256, 512)
+"""Head dims the kernels take (D = 32 lanes x 4-element vectors x D/128); others use the reference."""
+MAX_QUERY_ROWS = 8
+"""Largest M (query rows per head) the kernels take; larger M (prefill) uses the reference."""
+
+_ACT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+_MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    for name, d in _MX_DTYPES.items():
+        if d == dtype:
+            return name
+    raise TypeError(f"unsupported dtype {dtype}; expected float32, bfloat16 or float16")
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (plain MLX ops)
+# --------------------------------------------------------------------------------------------
+
+
+def attend_mask(q_positions: mx.array, positions: mx.array, window: int | None) -> mx.array:
+    """bool [M, S]: query row m (at q_positions[m]) may attend slot s (holding positions[s])."""
+    qp = q_positions.astype(mx.int32)[:, None]
+    kp = positions.astype(mx.int32)[None, :]
+    diff = qp - kp
+    ok = (kp >= 0) & (diff >= 0)
+    if window is not None:
+        ok = ok & (diff < window)
+    return ok
+
+
+def _check(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array, q_positions: mx.array,
+           window: int | None) -> tuple[int, int, int, int, int, int]:  # fmt: skip
+    if q.ndim != 4 or k_cache.ndim != 4:
+        raise ValueError(f"q must be [B, n_q, M, D] and the caches [B, n_kv, S, D], got {q.shape}, {k_cache.shape}")
+    B, n_q, M, D = q.shape
+    _, n_kv, S, _ = k_cache.shape
+    if k_cache.shape != (B, n_kv, S, D) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches {k_cache.shape} / {v_cache.shape} do not match q {q.shape} ([B, n_kv, S, D])")
+    if n_kv == 0 or n_q % n_kv:
+        raise ValueError(f"{n_q} query heads are not a multiple of {n_kv} kv heads")
+    if q.dtype not in _ACT_DTYPES or k_cache.dtype not in _ACT_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}: expected float32/bfloat16/float16 "
+                        "(K and V of one dtype)")  # fmt: skip
+    if positions.shape != (S,) or q_positions.shape != (M,):
+        raise ValueError(f"positions {positions.shape} / q_positions {q_positions.shape} must be [S={S}] / [M={M}]")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+    return B, n_q, M, D, n_kv, S
+
+
+def decode_attention_reference(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
+                               q_positions: mx.array, window: int | None = None) -> mx.array:  # fmt: skip
+    """Reference: scores q k^T in f32 (scale 1), masked softmax in f32, @ v -> [B, n_q, M, D], q.dtype.
+
+    GQA without copying K/V: q is viewed as [B, n_kv, G, M, D] against K [B, n_kv, 1, S, D].
+    Assumes the cache holds finite values (masked slots get probability 0, and 0 * finite = 0)."""
+    B, n_q, M, D, n_kv, S = _check(q, k_cache, v_cache, positions, q_positions, window)
+    G = n_q // n_kv
+    qf = q.astype(mx.float32).reshape(B, n_kv, G, M, D)
+    kf = k_cache.astype(mx.float32)[:, :, None]
+    vf = v_cache.astype(mx.float32)[:, :, None]
+    scores = qf @ kf.swapaxes(-1, -2)  # [B, n_kv, G, M, S]
+    mask = attend_mask(q_positions, positions, window)
+    neg_inf = mx.array(-math.inf, dtype=mx.float32)
+    scores = mx.where(mask, scores, neg_inf)
+    top = mx.max(scores, axis=-1, keepdims=True)
+    top = mx.where(top == neg_inf, 0.0, top)  # rows without any key: keep exp() at 0, not NaN
+    p = mx.exp(scores - top)
+    total = mx.sum(p, axis=-1, keepdims=True)
+    out = (p @ vf) / mx.where(total > 0, total, 1.0)
+    return out.reshape(B, n_q, M, D).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel text (shared dialect, see custom_kernels.dialect)
+# --------------------------------------------------------------------------------------------
+
+# Per-dialect function qualifier and the grid's partition count (not covered by dialect.py).
+_LOCAL = {
+    "metal": {"@FN@": "static inline", "@NPART@": "(int)threadgroups_per_grid.y"},
+    "cuda": {"@FN@": "__device__ __forceinline__", "@NPART@": "(int)gridDim.y"},
+}
+
+_HELPERS = r"""
+// gemma4-mlx attention helpers
+// e^x for x <= 0 (scores minus a running max): Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2,
+// degree-7 Taylor polynomial (truncation 5e-9 relative), scaled by 2^k through the exponent bits.
+// 0 below -87 (where e^x is no longer a normal float) and for -inf.
+@FN@ float g4_attn_exp(float x) {
+  if (x < -87.0f) return 0.0f;
+  const int k = (int)(x * 1.4426950408889634f - 0.5f);  // ceil(x log2(e) - 1/2) for x <= 0
+  const float kf = (float)k;
+  const float r = (x - kf * 0.693145751953125f) - kf * 1.428606765330187e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return p * g4_as_float((uint32_t)(k + 127) << 23);
+}
+// Slots per sequence partition: at least cmin, enough that `parts` partitions cover n_slots,
+// a multiple of the tile ts. Partition p covers [p * chunk, min((p + 1) * chunk, n_slots)) and
+// works only when p * chunk < n_slots (partial and merge kernels agree through this function).
+@FN@ int g4_attn_chunk(int n_slots, int parts, int cmin, int ts) {
+  int c = (n_slots + parts - 1) / parts;
+  c = c < cmin ? cmin : c;
+  return (c + ts - 1) / ts * ts;
+}
+"""
+
+# Template arguments of the partial kernel:
+#   T  q dtype           KT  K/V cache dtype      D   head dim (128, 256, 512)
+#   G  query heads per kv head                    M   query rows per head (1..8)
+#   WIN  sliding window (0: full attention)       QT  query rows per threadgroup (tile)
+#   TS   slots per tile (multiple of 8)           NSG SIMD groups per threadgroup (32*NSG >= D/4)
+#   CMIN minimum slots per partition (multiple of TS)
+# Grid: x = 32*NSG threads x (B * n_kv), y = P partitions, z = ceil(G*M / QT) query tiles.
+_PARTIAL_BODY = r"""
+  // gemma4-mlx attn_decode_partial: split-GQA decode attention over one sequence partition
+  constexpr int QR = G * M;            // query rows of one kv head: r = g * M + m
+  constexpr int NT = 32 * NSG;         // threads per group
+  constexpr int E = D / 32;            // K elements per lane in the score phase
+  constexpr int SB = D >= 512 ? 4 : 8; // slots per SIMD-group step in the score phase
+  constexpr int DV = D / 4;            // 4-element vectors per row
+  constexpr int RG = NT / DV;          // row groups in the value phase
+  constexpr int RPT = (QT + RG - 1) / RG;    // rows per thread in the value phase
+  constexpr int RPS = (QT + NSG - 1) / NSG;  // rows per SIMD group in the softmax phase
+  constexpr int SUBS = TS / SB;
+  const float NEG_INF = g4_as_float(0xff800000u);
+
+  $shared float4 q_s4[QT * DV];  // this tile's query rows, f32
+  $shared float s_s[QT * TS];    // scores, then probabilities, of the current slot tile
+  $shared float alpha_s[QT];     // rescale of each row's accumulators for the current tile
+  $shared int ok_s[TS];          // slot may be attended by some row (else never read)
+
+  const int tid = $tid;
+  const int lane = $lane;
+  const int sg = $simd;
+  const int bh = $tg_x;
+  const int part = $tg_y;
+  const int row0 = $tg_z * QT;
+  const int nparts = @NPART@;
+  const int S = k_shape[2];
+  const int nslots = n_slots[0] < 0 ? 0 : (n_slots[0] > S ? S : n_slots[0]);
+  const int chunk = g4_attn_chunk(nslots, nparts, CMIN, TS);
+  const int start = part * chunk;
+  if (start >= nslots) return;  // an idle partition (the whole group returns): the merge skips it
+  const int end = start + chunk < nslots ? start + chunk : nslots;
+  const int nrows = QR - row0 < QT ? QR - row0 : QT;
+  int qmin = qpos[0];
+  int qmax = qpos[0];
+  for (int m = 1; m < M; ++m) {
+    qmin = qpos[m] < qmin ? qpos[m] : qmin;
+    qmax = qpos[m] > qmax ? qpos[m] : qmax;
+  }
+  const $device T* qbase = q + ((size_t)bh * QR + row0) * D;
+  const $device KT* kbase = k + (size_t)bh * S * D;
+  const $device KT* vbase = v + (size_t)bh * S * D;
+
+  for (int i = tid; i < QT * DV; i += NT) {
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (i < nrows * DV) g4_load4(qbase + (size_t)i * 4, a);
+    q_s4[i].x = a[0];
+    q_s4[i].y = a[1];
+    q_s4[i].z = a[2];
+    q_s4[i].w = a[3];
+  }
+  float m_run[RPS];
+  float l_run[RPS];
+  $unroll for (int j = 0; j < RPS; ++j) { m_run[j] = NEG_INF; l_run[j] = 0.0f; }
+  const int dv = tid % DV;
+  const int rg = tid / DV;
+  float acc[RPT][4];
+  $unroll for (int i = 0; i < RPT; ++i) { $unroll for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f; }
+  $barrier;
+
+  for (int t0 = start; t0 < end; t0 += TS) {
+    // (a) scores of every query row against the tile's slots, -inf where masked
+    for (int st = sg; st < SUBS; st += NSG) {
+      const int s0 = t0 + st * SB;
+      bool ok[SB];
+      bool any = false;
+      $unroll for (int i = 0; i < SB; ++i) {
+        const int p = s0 + i < end ? kpos[s0 + i] : -1;
+        ok[i] = p >= 0 && p <= qmax && (WIN == 0 || qmin - p < WIN);
+        any = any || ok[i];
+      }
+      if (lane == 0) {
+        $unroll for (int i = 0; i < SB; ++i) ok_s[st * SB + i] = ok[i] ? 1 : 0;
+      }
+      if (!any) {
+        for (int i = lane; i < nrows * SB; i += 32) s_s[(i / SB) * TS + st * SB + i % SB] = NEG_INF;
+        continue;
+      }
+      const int mine = lane / (32 / SB);  // the slot whose score this lane ends up holding
+      const int my_p = s0 + mine < end ? kpos[s0 + mine] : -1;
+      float kr[SB][E];
+      $unroll for (int i = 0; i < SB; ++i) {
+        if (ok[i]) {
+          const $device KT* kp = kbase + (size_t)(s0 + i) * D + 4 * lane;
+          $unroll for (int j = 0; j < E / 4; ++j) g4_load4(kp + 128 * j, &kr[i][4 * j]);
+        } else {
+          $unroll for (int e = 0; e < E; ++e) kr[i][e] = 0.0f;
+        }
+      }
+      for (int r = 0; r < nrows; ++r) {
+        float qv[E];
+        $unroll for (int j = 0; j < E / 4; ++j) {
+          const float4 a = q_s4[r * DV + 32 * j + lane];
+          qv[4 * j] = a.x;
+          qv[4 * j + 1] = a.y;
+          qv[4 * j + 2] = a.z;
+          qv[4 * j + 3] = a.w;
+        }
+        float d[SB];
+        $unroll for (int i = 0; i < SB; ++i) {
+          float t = 0.0f;
+          $unroll for (int e = 0; e < E; ++e) t += qv[e] * kr[i][e];
+          d[i] = t;
+        }
+        // butterfly: each step halves the values per lane; lanes with bit w set keep the upper half
+        $unroll for (int n = SB / 2; n >= 1; n >>= 1) {
+          const int w = 32 * n / SB;
+          const bool up = (lane & w) != 0;
+          $unroll for (int i = 0; i < n; ++i) {
+            const float send = up ? d[i] : d[i + n];
+            const float keep = up ? d[i + n] : d[i];
+            d[i] = keep + g4_shuffle_xor(send, w);
+          }
+        }
+        $unroll for (int w = 16 / SB; w >= 1; w >>= 1) d[0] += g4_shuffle_xor(d[0], w);
+        if ((lane & (32 / SB - 1)) == 0) {
+          const int qp = qpos[(row0 + r) % M];
+          const bool okr = my_p >= 0 && my_p <= qp && (WIN == 0 || qp - my_p < WIN);
+          s_s[r * TS + st * SB + mine] = okr ? d[0] : NEG_INF;
+        }
+      }
+    }
+    $barrier;
+    // (b) online softmax: one SIMD group per row
+    $unroll for (int j = 0; j < RPS; ++j) {
+      const int r = sg + NSG * j;
+      if (r < nrows) {
+        float top = NEG_INF;
+        for (int c = lane; c < TS; c += 32) top = s_s[r * TS + c] > top ? s_s[r * TS + c] : top;
+        top = g4_simd_max(top);
+        const float m_new = m_run[j] > top ? m_run[j] : top;
+        const bool live = m_new > NEG_INF;
+        const float alpha = live ? g4_attn_exp(m_run[j] - m_new) : 1.0f;
+        float ps = 0.0f;
+        for (int c = lane; c < TS; c += 32) {
+          const float p = live ? g4_attn_exp(s_s[r * TS + c] - m_new) : 0.0f;
+          s_s[r * TS + c] = p;
+          ps += p;
+        }
+        ps = g4_simd_sum(ps);
+        l_run[j] = l_run[j] * alpha + ps;
+        m_run[j] = m_new;
+        if (lane == 0) alpha_s[r] = alpha;
+      }
+    }
+    $barrier;
+    // (c) values: thread (rg, dv) owns elements 4dv..4dv+3 of rows rg, rg + RG, ...
+    $unroll for (int i = 0; i < RPT; ++i) {
+      const int r = rg + RG * i;
+      if (r < nrows) {
+        const float a = alpha_s[r];
+        $unroll for (int e = 0; e < 4; ++e) acc[i][e] *= a;
+      }
+    }
+    for (int c = 0; c < TS; c += 4) {
+      bool okv[4];
+      bool any = false;
+      $unroll for (int u = 0; u < 4; ++u) { okv[u] = ok_s[c + u] != 0; any = any || okv[u]; }
+      if (!any) continue;
+      float vv[4][4];
+      $unroll for (int u = 0; u < 4; ++u) {
+        if (okv[u]) {
+          g4_load4(vbase + (size_t)(t0 + c + u) * D + 4 * dv, vv[u]);
+        } else {
+          $unroll for (int e = 0; e < 4; ++e) vv[u][e] = 0.0f;
+        }
+      }
+      $unroll for (int i = 0; i < RPT; ++i) {
+        const int r = rg + RG * i;
+        if (r < nrows) {
+          $unroll for (int u = 0; u < 4; ++u) {
+            const float p = s_s[r * TS + c + u];
+            $unroll for (int e = 0; e < 4; ++e) acc[i][e] += p * vv[u][e];
+          }
+        }
+      }
+    }
+    $barrier;
+  }
+
+  const size_t base = ((size_t)bh * nparts + part) * QR + row0;
+  $unroll for (int j = 0; j < RPS; ++j) {
+    const int r = sg + NSG * j;
+    if (r < nrows && lane == 0) {
+      ml[(base + r) * 2] = m_run[j];
+      ml[(base + r) * 2 + 1] = l_run[j];
+    }
+  }
+  $unroll for (int i = 0; i < RPT; ++i) {
+    const int r = rg + RG * i;
+    if (r < nrows) {
+      $unroll for (int e = 0; e < 4; ++e) pacc[(base + r) * D + 4 * dv + e] = acc[i][e];
+    }
+  }
+"""
+
+# Template arguments of the merge kernel: T (output dtype), D, QR (= G * M), TS, CMIN (as in the
+# partial kernel). Grid: x = D/4 threads x (B * n_q * M) output rows; threadgroup D/4.
+_MERGE_BODY = r"""
+  // gemma4-mlx attn_decode_merge: partitions merged in ascending order, normalized, cast
+  const float NEG_INF = g4_as_float(0xff800000u);
+  const int row = $tg_x;  // (b * n_kv + kv head) * QR + r = (b * n_q + head) * M + m
+  const int bh = row / QR;
+  const int r = row % QR;
+  const int t = $tid;
+  const int nparts = ml_shape[1];
+  const int nslots = n_slots[0] < 0 ? 0 : n_slots[0];
+  const int chunk = g4_attn_chunk(nslots, nparts, CMIN, TS);
+  int nactive = (nslots + chunk - 1) / chunk;
+  nactive = nactive < nparts ? nactive : nparts;
+  const size_t base = (size_t)bh * nparts * QR + r;  // partition p: base + p * QR
+  float top = NEG_INF;
+  for (int p = 0; p < nactive; ++p) {
+    const float mp = ml[(base + (size_t)p * QR) * 2];
+    top = mp > top ? mp : top;
+  }
+  float total = 0.0f;
+  float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (top > NEG_INF) {
+    for (int p = 0; p < nactive; ++p) {
+      const size_t i = base + (size_t)p * QR;
+      const float mp = ml[i * 2];
+      if (mp > NEG_INF) {
+        const float w = g4_attn_exp(mp - top);
+        total += w * ml[i * 2 + 1];
+        float x[4];
+        g4_load4(pacc + i * D + 4 * t, x);
+        $unroll for (int e = 0; e < 4; ++e) a[e] += w * x[e];
+      }
+    }
+  }
+  $unroll for (int e = 0; e < 4; ++e) {
+    out[(size_t)row * D + 4 * t + e] = static_cast<T>(total > 0.0f ? a[e] / total : 0.0f);
+  }
+"""
+
+
+def _local(text: str, dialect: str) -> str:
+    for key, value in _LOCAL[dialect].items():
+        text = text.replace(key, value)
+    return text
+
+
+def _text(body: str) -> dict[str, tuple[str, str]]:
+    """{"metal": (header, source), "cuda": (header, source)} for one kernel body."""
+    return {d: (prelude(d) + _local(render(_HELPERS, d), d), _local(render(body, d), d)) for d in ("metal", "cuda")}
+
+
+@dataclass(frozen=True)
+class _KernelDef:
+    name: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    text: dict  # {"metal": (header, source), "cuda": (header, source)}
+
+
+_PARTIAL = _KernelDef("g4_attn_decode_partial", ("q", "k", "v", "kpos", "qpos", "n_slots"), ("ml", "pacc"),
+                      _text(_PARTIAL_BODY))  # fmt: skip
+_MERGE = _KernelDef("g4_attn_decode_merge", ("ml", "pacc", "n_slots"), ("out",), _text(_MERGE_BODY))
+
+
+# --------------------------------------------------------------------------------------------
+# Launch planning
+# --------------------------------------------------------------------------------------------
+
+_SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024}  # static threadgroup memory per threadgroup
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Geometry: ``rows`` query rows per threadgroup at most (QT), ``simd_groups`` (NSG),
+    ``tile`` slots per tile (TS), ``min_chunk`` slots per partition at least (CMIN), and
+    ``target_groups`` threadgroups to aim for at full length when choosing the partition count."""
+
+    rows: int = 16
+    simd_groups: int = 4
+    tile: int = 32
+    min_chunk: int = 256
+    target_groups: int = 512
+
+    def __post_init__(self):
+        if not 1 <= self.rows <= 64:
+            raise ValueError("rows must be 1..64")
+        if self.simd_groups not in (1, 2, 4, 8):
+            raise ValueError("simd_groups must be 1, 2, 4 or 8")
+        if self.tile < 8 or self.tile % 8:
+            raise ValueError("tile must be a positive multiple of 8")
+        if self.min_chunk < self.tile or self.min_chunk % self.tile:
+            raise ValueError("min_chunk must be a positive multiple of tile")
+        if self.target_groups < 1:
+            raise ValueError("target_groups must be positive")
+
+
+def default_config(head_dim: int, which: str | None = None) -> AttentionConfig:
+    """Starting geometry per backend (to be tuned on the GPU): 4 SIMD groups; query rows in
+    threadgroup memory as f32 limited to 32 KB on CUDA (static shared memory < 48 KB) and 16 KB on
+    Metal (32 KB in all); partitions of at least 256 slots; about 512 (CUDA, 132 SMs) or 128
+    (Metal) threadgroups at full length."""
+    which = which or backend()
+    budget = 16 * 1024 if which == "metal" else 32 * 1024
+    rows = max(1, min(32, budget // (4 * head_dim)))
+    target = 128 if which == "metal" else 512
+    return AttentionConfig(rows=rows, simd_groups=4, tile=32, min_chunk=256, target_groups=target)
+
+
+def partition_layout(n_slots: int, parts: int, min_chunk: int, tile: int) -> tuple[int, int]:
+    """(chunk, active partitions) for ``n_slots`` valid slots: the device-side rule of both kernels."""
+    n_slots = max(0, n_slots)
+    chunk = max(min_chunk, -(-n_slots // parts))
+    chunk = -(-chunk // tile) * tile
+    return chunk, min(parts, -(-n_slots // chunk))
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Both launches of one decode-attention call."""
+
+    partial_template: list  # [(name, dtype name | int)]
+    partial_grid: tuple[int, int, int]
+    partial_threadgroup: tuple[int, int, int]
+    partial_shapes: list  # [(BH, P, QR, 2), (BH, P, QR, D)]
+    merge_template: list
+    merge_grid: tuple[int, int, int]
+    merge_threadgroup: tuple[int, int, int]
+    out_shape: tuple[int, int, int, int]
+    parts: int
+    shared_bytes: int
+
+
+def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: int, q_dtype: str, kv_dtype: str,
+                window: int | None, config: AttentionConfig | None = None, which: str | None = None) -> DecodePlan:  # fmt: skip
+    """Launch plan for q [batch, n_q, m, head_dim] over caches [batch, n_kv, slots, head_dim]."""
+    which = which or backend()
+    if which not in _SHARED_LIMIT:
+        which = "cuda"  # CPU planning (tests): the CUDA limits
+    if head_dim not in KERNEL_HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} not in {KERNEL_HEAD_DIMS}")
+    if not 1 <= m <= MAX_QUERY_ROWS:
+        raise ValueError(f"query rows {m} outside 1..{MAX_QUERY_ROWS}")
+    cfg = config or default_config(head_dim, which)
+    g = n_q // n_kv
+    qr = g * m
+    qt = min(cfg.rows, qr)
+    nt = 32 * cfg.simd_groups
+    dv = head_dim // 4
+    if nt < dv or nt % dv:
+        raise ValueError(f"{nt} threads cannot cover head dim {head_dim} in 4-element vectors "
+                         f"(need a multiple of {dv})")  # fmt: skip
+    shared = 4 * (qt * head_dim + qt * cfg.tile + qt + cfg.tile)
+    if shared > _SHARED_LIMIT[which]:
+        raise ValueError(f"{shared} bytes of threadgroup memory exceed {which}'s {_SHARED_LIMIT[which]}")
+    tiles = -(-qr // qt)
+    bh = batch * n_kv
+    parts = max(1, min(-(-slots // cfg.min_chunk), -(-cfg.target_groups // (bh * tiles))))
+    partial_template = [("T", q_dtype), ("KT", kv_dtype), ("D", head_dim), ("G", g), ("M", m),
+                        ("WIN", int(window or 0)), ("QT", qt), ("TS", cfg.tile), ("NSG", cfg.simd_groups),
+                        ("CMIN", cfg.min_chunk)]  # fmt: skip
+    merge_template = [("T", q_dtype), ("D", head_dim), ("QR", qr), ("TS", cfg.tile), ("CMIN", cfg.min_chunk)]
+    return DecodePlan(
+        partial_template=partial_template,
+        partial_grid=(nt * bh, parts, tiles),
+        partial_threadgroup=(nt, 1, 1),
+        partial_shapes=[(bh, parts, qr, 2), (bh, parts, qr, head_dim)],
+        merge_template=merge_template,
+        merge_grid=(dv * bh * qr, 1, 1),
+        merge_threadgroup=(dv, 1, 1),
+        out_shape=(batch, n_q, m, head_dim),
+        parts=parts,
+        shared_bytes=shared,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Launch and dispatch
+# --------------------------------------------------------------------------------------------
+
+_SLOT_CONSTANTS: dict[int, mx.array] = {}
+
+
+def _slots_array(n_slots, slots: int) -> mx.array:
+    """int32 [1] valid-slot bound in [0, slots]: a cached constant for Python ints, else clipped."""
+    if n_slots is None or isinstance(n_slots, int):
+        n = slots if n_slots is None else min(max(int(n_slots), 0), slots)
+        arr = _SLOT_CONSTANTS.get(n)
+        if arr is None:
+            arr = _SLOT_CONSTANTS[n] = mx.array([n], dtype=mx.int32)
+        return arr
+    return mx.clip(n_slots.astype(mx.int32).reshape(1), 0, slots)
+
+
+def _tmpl(template: list) -> list:
+    return [(name, _MX_DTYPES[v] if isinstance(v, str) else v) for name, v in template]
+
+
+def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
+                            q_positions: mx.array, window: int | None = None, n_slots=None,
+                            config: AttentionConfig | None = None,
+                            init_value: float | None = None) -> mx.array:  # fmt: skip
+    """Run the two kernels (GPU builds only, no fallback) -> [B, n_q, M, D] in q.dtype.
+
+    ``init_value`` fills every output (partials included) before the kernels run (tests poison
+    them with NaN)."""
+    B, n_q, M, D, n_kv, S = _check(q, k_cache, v_cache, positions, q_positions, window)
+    plan = plan_decode(B, n_q, n_kv, M, S, D, _dtype_name(q.dtype), _dtype_name(k_cache.dtype), window, config)
+    bound = _slots_array(n_slots, S)
+    partial = get_kernel(_PARTIAL.name, _PARTIAL.input_names, _PARTIAL.output_names, _PARTIAL.text["metal"],
+                         _PARTIAL.text["cuda"])  # fmt: skip
+    merge = get_kernel(_MERGE.name, _MERGE.input_names, _MERGE.output_names, _MERGE.text["metal"],
+                       _MERGE.text["cuda"])  # fmt: skip
+    ml, pacc = partial(
+        inputs=[q, k_cache, v_cache, positions.astype(mx.int32), q_positions.astype(mx.int32), bound],
+        template=_tmpl(plan.partial_template),
+        grid=plan.partial_grid,
+        threadgroup=plan.partial_threadgroup,
+        output_shapes=plan.partial_shapes,
+        output_dtypes=[mx.float32, mx.float32],
+        init_value=init_value,
+    )
+    (out,) = merge(
+        inputs=[ml, pacc, bound],
+        template=_tmpl(plan.merge_template),
+        grid=plan.merge_grid,
+        threadgroup=plan.merge_threadgroup,
+        output_shapes=[plan.out_shape],
+        output_dtypes=[q.dtype],
+        init_value=init_value,
+    )
+    return out
+
+
+def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
+                     q_positions: mx.array, window: int | None = None, *, n_slots=None) -> mx.array:  # fmt: skip
+    """Attention of q [B, n_q, M, D] over whole cache buffers [B, n_kv, S, D] -> [B, n_q, M, D].
+
+    positions int32 [S] (slot -> absolute position, -1 empty), q_positions int32 [M], window: the
+    sliding window (keys per query incl. itself) or None. n_slots (int or int32 array [1],
+    optional): slots 0..n_slots-1 are the only ones that can be attended (a full cache's length);
+    default all S. Custom kernels on Metal/CUDA for head dim 128/256/512 and M <= 8, else
+    ``decode_attention_reference``. Pass the cache buffers themselves: a non-contiguous slice is
+    copied before a kernel reads it."""
+    _, _, M, D, _, _ = _check(q, k_cache, v_cache, positions, q_positions, window)
+    if use_reference() or D not in KERNEL_HEAD_DIMS or not 1 <= M <= MAX_QUERY_ROWS:
+        return decode_attention_reference(q, k_cache, v_cache, positions, q_positions, window)
+    return launch_decode_attention(q, k_cache, v_cache, positions, q_positions, window, n_slots)
+
+
+# --------------------------------------------------------------------------------------------
+# float64 oracle (tests, emulator cases)
+# --------------------------------------------------------------------------------------------
+
+
+def _mask_np(q_positions: np.ndarray, positions: np.ndarray, window: int | None) -> np.ndarray:
+    diff = q_positions[:, None].astype(np.int64) - positions[None, :].astype(np.int64)
+    ok = (positions[None, :] >= 0) & (diff >= 0)
+    if window is not None:
+        ok &= diff < window
+    return ok
+
+
+def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, q_positions: np.ndarray,
+                  window: int | None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """float64 oracle: (out [B, n_q, M, D], bound [B, n_q, M, D]).
+
+    Masked slots are never touched (they may hold NaN). ``bound`` is the error scale of an f32
+    computation: sum_s p_s (|v_s| + |v_s - out| * sum_d |q_d k_sd|) per element (value rounding plus
+    the effect of score rounding relative to the score magnitudes); rows without keys: out 0."""
+    B, n_q, M, D = q.shape
+    n_kv = k.shape[1]
+    G = n_q // n_kv
+    mask = _mask_np(q_positions, positions, window)  # [M, S]
+    used = mask.any(axis=0)
+    kq = np.where(used[:, None], k, 0.0)
+    vq = np.where(used[:, None], v, 0.0)
+    qg = q.reshape(B, n_kv, G, M, D).astype(np.float64)
+    s = np.einsum("bkgmd,bksd->bkgms", qg, kq)
+    mag = np.einsum("bkgmd,bksd->bkgms", np.abs(qg), np.abs(kq))
+    s = np.where(mask, s, -np.inf)
+    top = s.max(axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    p = np.where(mask, np.exp(s - top), 0.0)
+    total = p.sum(axis=-1, keepdims=True)
+    w = p / np.where(total > 0, total, 1.0)
+    out = np.einsum("bkgms,bksd->bkgmd", w, vq)
+    dev = np.abs(vq[:, :, None, None, :, :] - out[..., None, :])  # [B, n_kv, G, M, S, D]
+    bound = np.einsum("bkgms,bksd->bkgmd", w, np.abs(vq)) + np.einsum("bkgms,bkgmsd->bkgmd", w * mag, dev)
+    return out.reshape(B, n_q, M, D), bound.reshape(B, n_q, M, D)
+
+
+def partials_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, q_positions: np.ndarray,
+                 window: int | None, n_slots: int, parts: int, min_chunk: int,
+                 tile: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """float64 per-partition states of the partial kernel: (ml [BH, P, QR, 2], acc [BH, P, QR, D]);
+    m = max score (-inf without keys), l = sum exp(s - m), acc = sum exp(s - m) v; NaN for idle
+    partitions (never written)."""
+    B, n_q, M, D = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    G = n_q // n_kv
+    chunk, active = partition_layout(min(n_slots, S), parts, min_chunk, tile)
+    n_slots = min(max(n_slots, 0), S)
+    qg = q.reshape(B * n_kv, G * M, D).astype(np.float64)
+    kk = k.reshape(B * n_kv, S, D)
+    vv = v.reshape(B * n_kv, S, D)
+    rows_pos = q_positions[np.arange(G * M) % M]
+    mask = _mask_np(rows_pos, positions, window)  # [QR, S]
+    ml = np.full((B * n_kv, parts, G * M, 2), np.nan)
+    acc = np.full((B * n_kv, parts, G * M, D), np.nan)
+    for p in range(active):
+        lo, hi = p * chunk, min((p + 1) * chunk, n_slots)
+        mk = mask[:, lo:hi]
+        used = mk.any(axis=0)
+        kp = np.where(used[:, None], kk[:, lo:hi], 0.0)
+        vp = np.where(used[:, None], vv[:, lo:hi], 0.0)
+        s = np.where(mk, np.einsum("brd,bsd->brs", qg, kp), -np.inf)
+        top = s.max(axis=-1) if hi > lo else np.full((B * n_kv, G * M), -np.inf)
+        safe = np.where(np.isfinite(top), top, 0.0)
+        e = np.where(mk, np.exp(s - safe[..., None]), 0.0)
+        ml[:, p, :, 0] = top
+        ml[:, p, :, 1] = e.sum(axis=-1)
+        acc[:, p] = np.einsum("brs,bsd->brd", e, vp)
+    return ml, acc
+
+
+def merge_f64(ml: np.ndarray, acc: np.ndarray, n_slots: int, min_chunk: int, tile: int) -> np.ndarray:
+    """float64 merge of partition states (as the merge kernel): [BH, QR, D] (0 for rows without keys)."""
+    bh, parts, qr, _ = ml.shape
+    _, active = partition_layout(n_slots, parts, min_chunk, tile)
+    if active == 0:
+        return np.zeros((bh, qr, acc.shape[-1]))
+    m = ml[:, :active, :, 0]
+    top = m.max(axis=1)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    w = np.where(np.isfinite(m), np.exp(m - safe[:, None]), 0.0)  # [BH, active, QR]
+    total = (w * np.nan_to_num(ml[:, :active, :, 1])).sum(axis=1)
+    num = np.einsum("bpr,bprd->brd", w, np.where(np.isfinite(m)[..., None], acc[:, :active], 0.0))
+    return np.where(total[..., None] > 0, num / np.where(total > 0, total, 1.0)[..., None], 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Emulator / compile-test registry (see custom_kernels.registry)
+# --------------------------------------------------------------------------------------------
+
+
+def _values(rng: np.random.Generator, shape, dtype_name: str, scale: float):
+    """(array handed to a kernel harness, exact float64 values, input_dtypes override or None)."""
+    from .registry import bf16_to_f32, f32_to_bf16
+
+    x = (rng.standard_normal(size=shape) * scale).astype(np.float32)
+    if dtype_name == "bfloat16":
+        bits = f32_to_bf16(x)
+        return bits, bf16_to_f32(bits).astype(np.float64), "bfloat16"
+    if dtype_name == "float16":
+        h = x.astype(np.float16)
+        return h, h.astype(np.float64), None
+    return x, x.astype(np.float64), None
+
+
+def _poison_unused(arr: np.ndarray, used: np.ndarray, dtype_name: str) -> np.ndarray:
+    """Cache buffer [B, n_kv, S, D] with NaN in slots no query may attend (they must not be read)."""
+    out = arr.copy()
+    nan = np.uint16(0x7FC0) if dtype_name == "bfloat16" else np.nan
+    out[:, :, ~used] = nan
+    return out
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """One small attention problem for the emulator cases."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    q64: np.ndarray
+    k64: np.ndarray
+    v64: np.ndarray
+    positions: np.ndarray
+    q_positions: np.ndarray
+    window: int | None
+    n_slots: int
+    in_dtypes: dict
+
+
+def _problem(rng, q_dtype, kv_dtype, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots) -> _Problem:
+    S = len(positions)
+    scale = 1.5 * D**-0.25  # scores ~ N(0, 1.5^2)
+    q, q64, qd = _values(rng, (B, n_q, M, D), q_dtype, scale)
+    k, k64, kd = _values(rng, (B, n_kv, S, D), kv_dtype, scale)
+    v, v64, vd = _values(rng, (B, n_kv, S, D), kv_dtype, 1.0)
+    used = _mask_np(np.asarray(q_positions), np.asarray(positions), window).any(axis=0)
+    used &= np.arange(S) < n_slots
+    k = _poison_unused(k, used, kv_dtype)
+    v = _poison_unused(v, used, kv_dtype)
+    in_dtypes = {name: d for name, d in (("q", qd), ("k", kd), ("v", vd)) if d}
+    return _Problem(q, k, v, q64, k64, v64, np.asarray(positions, np.int32), np.asarray(q_positions, np.int32),
+                    window, n_slots, in_dtypes)  # fmt: skip
+
+
+def _partial_case(rng, q_dtype, kv_dtype, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, cfg):
+    from .registry import KernelCase
+
+    pr = _problem(rng, q_dtype, kv_dtype, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots)
+    S = len(positions)
+    plan = plan_decode(B, n_q, n_kv, M, S, D, q_dtype, kv_dtype, window, cfg, "metal")
+    ml, acc = partials_f64(pr.q64, pr.k64, pr.v64, pr.positions, pr.q_positions, window, n_slots, plan.parts,
+                           cfg.min_chunk, cfg.tile)  # fmt: skip
+    return KernelCase(
+        inputs={"q": pr.q, "k": pr.k, "v": pr.v, "kpos": pr.positions, "qpos": pr.q_positions,
+                "n_slots": np.array([n_slots], np.int32)},
+        template=plan.partial_template, grid=plan.partial_grid, threadgroup=plan.partial_threadgroup,
+        output_shapes=plan.partial_shapes, output_dtypes=["float32", "float32"], expected=[ml, acc],
+        rtol=2e-5, atol=1e-5, input_dtypes=pr.in_dtypes,
+        label=f"q {q_dtype} kv {kv_dtype} B={B} n_q={n_q} n_kv={n_kv} M={M} D={D} S={S} W={window} "
+              f"n_slots={n_slots} P={plan.parts} {cfg}",
+    )  # fmt: skip
+
+
+def _merge_case(rng, out_dtype, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, cfg):
+    from .registry import KernelCase
+
+    pr = _problem(rng, "float32", "float32", B, n_q, n_kv, M, D, positions, q_positions, window, n_slots)
+    S = len(positions)
+    plan = plan_decode(B, n_q, n_kv, M, S, D, out_dtype, "float32", window, cfg, "metal")
+    ml, acc = partials_f64(pr.q64, pr.k64, pr.v64, pr.positions, pr.q_positions, window, n_slots, plan.parts,
+                           cfg.min_chunk, cfg.tile)  # fmt: skip
+    ml32, acc32 = ml.astype(np.float32), acc.astype(np.float32)  # idle partitions stay NaN: never read
+    expected = merge_f64(ml32.astype(np.float64), acc32.astype(np.float64), n_slots, cfg.min_chunk, cfg.tile)
+    rtol = 2e-6 if out_dtype == "float32" else 2**-8
+    return KernelCase(
+        inputs={"ml": ml32, "pacc": acc32, "n_slots": np.array([n_slots], np.int32)},
+        template=plan.merge_template, grid=plan.merge_grid, threadgroup=plan.merge_threadgroup,
+        output_shapes=[plan.out_shape], output_dtypes=[out_dtype], expected=[expected.reshape(plan.out_shape)],
+        rtol=rtol, atol=1e-6, label=f"out {out_dtype} QR={n_q // n_kv * M} D={D} P={plan.parts} n_slots={n_slots}",
+    )  # fmt: skip
+
+
+def _ring(capacity: int, first: int, last: int, empty=(), future=()) -> np.ndarray:
+    """Ring positions: slot p % capacity holds p for p in first..last; ``empty`` slots hold -1 and
+    ``future`` slots a position past ``last`` (a rolled-back token)."""
+    pos = np.full(capacity, -1, np.int32)
+    for p in range(first, last + 1):
+        pos[p % capacity] = p
+    for s in empty:
+        pos[s] = -1
+    for i, s in enumerate(future):
+        pos[s] = last + 3 + i
+    return pos
+
+
+def _partial_cases(rng: np.random.Generator):
+    c = AttentionConfig
+    return [
+        # sliding ring out of order with empty slots, window edge (W keys incl. self), 3 partitions
+        # (8, 8, 4 slots: a partial last one), bf16 cache, f32 q
+        _partial_case(rng, "float32", "bfloat16", 1, 4, 2, 1, 256, _ring(20, 31, 50, empty=(3, 12)), [50], 12, 20,
+                      c(rows=16, simd_groups=2, tile=8, min_chunk=8, target_groups=6)),
+        # full layer: capacity 24 > valid 13 (two idle partitions), M = 3 causal inside the chunk,
+        # 12 query rows in tiles of 8 + 4, bf16 q, f32 cache, D = 512
+        _partial_case(rng, "bfloat16", "float32", 1, 4, 1, 3, 512, np.arange(24), [10, 11, 12], None, 13,
+                      c(rows=8, simd_groups=4, tile=8, min_chunk=8, target_groups=8)),
+        # G = 8, M = 2, window 5, two sequences, odd capacity 13 with an empty slot and one holding
+        # a position past both queries (rolled back), partitions of 8 + 5 slots (D = 256: 8 slots a step)
+        _partial_case(rng, "float32", "float32", 2, 8, 1, 2, 256, _ring(13, 30, 42, empty=(5,), future=(7,)),
+                      [41, 42], 5, 13, c(rows=16, simd_groups=4, tile=8, min_chunk=8, target_groups=8)),
+    ]  # fmt: skip
+
+
+def _merge_cases(rng: np.random.Generator):
+    c = AttentionConfig
+    return [
+        _merge_case(rng, "float32", 1, 4, 2, 1, 256, _ring(20, 31, 50, empty=(3, 12)), [50], 12, 20,
+                    c(rows=16, simd_groups=2, tile=8, min_chunk=8, target_groups=6)),
+        _merge_case(rng, "bfloat16", 1, 4, 1, 3, 512, np.arange(24), [10, 11, 12], None, 13,
+                    c(rows=8, simd_groups=4, tile=8, min_chunk=8, target_groups=8)),
+        # a row whose window holds no slot (position 60, keys at <= 50): output 0
+        _merge_case(rng, "float32", 1, 2, 1, 2, 128, _ring(16, 35, 50), [50, 60], 4, 16,
+                    c(rows=8, simd_groups=1, tile=8, min_chunk=8, target_groups=3)),
+    ]  # fmt: skip
+
+
+def kernel_specs():
+    """KernelSpec of both decode-attention kernels, with small emulator cases (odd tails included)."""
+    from .registry import KernelSpec
+
+    specs = []
+    for kdef, cases in ((_PARTIAL, _partial_cases), (_MERGE, _merge_cases)):
+        (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
+        specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs, cases))
+    return specs
