@@ -672,9 +672,10 @@ def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.nda
                   window: int | None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """float64 oracle: (out [B, n_q, M, D], bound [B, n_q, M, D]).
 
-    Masked slots are never touched (they may hold NaN). ``bound`` is the error scale of an f32
-    computation: sum_s p_s (|v_s| + |v_s - out| * sum_d |q_d k_sd|) per element (value rounding plus
-    the effect of score rounding relative to the score magnitudes); rows without keys: out 0."""
+    Masked slots are never touched (they may hold NaN); rows without keys give 0. ``bound`` is the
+    error scale of an f32 computation, per element: sum_s p_s (|v_s| + A_s (|v_s| + |out|)) with
+    A_s = sum_d |q_d k_sd| (value rounding, plus score rounding relative to the score magnitudes
+    moving the weights)."""
     B, n_q, M, D = q.shape
     n_kv = k.shape[1]
     G = n_q // n_kv
@@ -682,18 +683,18 @@ def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.nda
     used = mask.any(axis=0)
     kq = np.where(used[:, None], k, 0.0)
     vq = np.where(used[:, None], v, 0.0)
-    qg = q.reshape(B, n_kv, G, M, D).astype(np.float64)
-    s = np.einsum("bkgmd,bksd->bkgms", qg, kq)
-    mag = np.einsum("bkgmd,bksd->bkgms", np.abs(qg), np.abs(kq))
-    s = np.where(mask, s, -np.inf)
+    qg = q.reshape(B, n_kv, G * M, D).astype(np.float64)
+    rows = mask[np.arange(G * M) % M]  # [QR, S]: row r = g * M + m
+    s = np.where(rows, qg @ kq.swapaxes(-1, -2), -np.inf)
+    mag = np.abs(qg) @ np.abs(kq).swapaxes(-1, -2)
     top = s.max(axis=-1, keepdims=True)
     top = np.where(np.isfinite(top), top, 0.0)
-    p = np.where(mask, np.exp(s - top), 0.0)
+    p = np.where(rows, np.exp(s - top), 0.0)
     total = p.sum(axis=-1, keepdims=True)
     w = p / np.where(total > 0, total, 1.0)
-    out = np.einsum("bkgms,bksd->bkgmd", w, vq)
-    dev = np.abs(vq[:, :, None, None, :, :] - out[..., None, :])  # [B, n_kv, G, M, S, D]
-    bound = np.einsum("bkgms,bksd->bkgmd", w, np.abs(vq)) + np.einsum("bkgms,bkgmsd->bkgmd", w * mag, dev)
+    out = w @ vq
+    wa = w * mag
+    bound = (w + wa) @ np.abs(vq) + wa.sum(axis=-1, keepdims=True) * np.abs(out)
     return out.reshape(B, n_q, M, D), bound.reshape(B, n_q, M, D)
 
 
@@ -871,6 +872,12 @@ def _partial_cases(rng: np.random.Generator):
         # a position past both queries (rolled back), partitions of 8 + 5 slots (D = 256: 8 slots a step)
         _partial_case(rng, "float32", "float32", 2, 8, 1, 2, 256, _ring(13, 30, 42, empty=(5,), future=(7,)),
                       [41, 42], 5, 13, c(rows=16, simd_groups=4, tile=8, min_chunk=8, target_groups=8)),
+        # the Metal defaults: 12B full layer (G = 16) at M = 3 (6 query tiles of 8 rows), 555 of 600
+        # slots valid (partitions 256 + 256 + 43); a wrapped 1024-style ring at M = 8
+        _partial_case(rng, "bfloat16", "bfloat16", 1, 16, 1, 3, 512, np.where(np.arange(600) < 555, np.arange(600), -1),
+                      np.arange(552, 555), None, 555, default_config(512, "metal")),
+        _partial_case(rng, "bfloat16", "bfloat16", 1, 4, 2, 8, 256, _ring(300, 1000, 1299, empty=(7,)),
+                      np.arange(1292, 1300), 200, 300, default_config(256, "metal")),
     ]  # fmt: skip
 
 
@@ -884,6 +891,8 @@ def _merge_cases(rng: np.random.Generator):
         # a row whose window holds no slot (position 60, keys at <= 50): output 0
         _merge_case(rng, "float32", 1, 2, 1, 2, 128, _ring(16, 35, 50), [50, 60], 4, 16,
                     c(rows=8, simd_groups=1, tile=8, min_chunk=8, target_groups=3)),
+        _merge_case(rng, "bfloat16", 1, 16, 1, 3, 512, np.where(np.arange(600) < 555, np.arange(600), -1),
+                    np.arange(552, 555), None, 555, default_config(512, "metal")),
     ]  # fmt: skip
 
 

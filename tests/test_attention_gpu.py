@@ -1,0 +1,180 @@
+"""GPU tests of custom_kernels.attention (Metal or CUDA, whichever this MLX build runs): the decode
+attention kernels against a float64 numpy oracle on the real Gemma 4 layer shapes. Outputs (the
+partition states too) are poisoned with NaN before each launch, and cache slots no query may attend
+hold NaN, so an unwritten output or a read of a masked slot fails. Run with ``pytest -m gpu``."""
+
+from __future__ import annotations
+
+import zlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import custom_kernels
+from custom_kernels import attention as at
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(custom_kernels.backend() == "cpu", reason="no GPU backend (CPU-only MLX build)"),
+]
+
+NAN = float("nan")
+F32_LIMIT = 1e-5  # |error| / bound (at.attention_f64) with f32 q and cache
+BF16_LIMIT = 2**-8 + 1e-5  # bf16 output rounding
+
+
+def _ring(capacity: int, last: int) -> np.ndarray:
+    """A ring after writing positions 0..last: slot p % capacity holds its latest p (-1 if none)."""
+    pos = np.full(capacity, -1, np.int32)
+    first = max(0, last - capacity + 1)
+    pos[np.arange(first, last + 1) % capacity] = np.arange(first, last + 1)
+    return pos
+
+
+def _problem(rng, B, n_q, n_kv, M, D, positions, q_positions, window, dtype, n_slots=None):
+    """MLX inputs with NaN in every slot no query may attend, plus (oracle out, bound) in float64."""
+    S = len(positions)
+    positions = np.asarray(positions, np.int32)
+    q_positions = np.asarray(q_positions, np.int32)
+    scale = 1.5 * D**-0.25
+    q = mx.array((rng.standard_normal((B, n_q, M, D)) * scale).astype(np.float32)).astype(dtype)
+    k = mx.array((rng.standard_normal((B, n_kv, S, D)) * scale).astype(np.float32)).astype(dtype)
+    v = mx.array(rng.standard_normal((B, n_kv, S, D)).astype(np.float32)).astype(dtype)
+    q64, k64, v64 = (np.array(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
+    want, bound = at.attention_f64(q64, k64, v64, positions, q_positions, window)
+    used = at._mask_np(q_positions, positions, window).any(axis=0)
+    if n_slots is not None:
+        assert not used[n_slots:].any(), "n_slots must bound the attendable slots"
+    unused = mx.array(~used)[None, None, :, None]
+    k, v = mx.where(unused, NAN, k).astype(dtype), mx.where(unused, NAN, v).astype(dtype)
+    return (q, k, v, mx.array(positions), mx.array(q_positions)), want, bound
+
+
+def _check(out: mx.array, want: np.ndarray, bound: np.ndarray, dtype, what: str) -> None:
+    got = np.array(out.astype(mx.float32)).astype(np.float64)
+    assert not np.isnan(got).any(), f"{what}: {int(np.isnan(got).sum())} outputs NaN (unwritten or leaked)"
+    rel = float((np.abs(got - want) / np.maximum(bound, 1e-30)).max())
+    limit = F32_LIMIT if dtype == mx.float32 else BF16_LIMIT
+    assert rel <= limit, f"{what}: relative error {rel:.3g} > {limit:g}"
+
+
+# (name, n_q, n_kv, D, layout): the decode shapes of the published models
+SHAPES = [
+    ("31B sliding", 32, 16, 256, "ring"),
+    ("31B full", 32, 4, 512, "full"),
+    ("12B full", 16, 1, 512, "full"),
+    ("E4B sliding", 8, 2, 256, "ring"),
+    ("26B full", 16, 2, 512, "full"),
+]
+
+
+def _layout(name: str, layout: str, M: int):
+    """(positions, q_positions, window, n_slots) for a wrapped 1024-window ring (capacity 1056)
+    or a preallocated full cache of capacity 4096 holding 0..3000."""
+    if layout == "ring":
+        window = 512 if name.startswith("E") else 1024
+        last = 5000 + M
+        return _ring(window + 32, last), np.arange(last - M + 1, last + 1), window, None
+    length = 3001
+    pos = np.where(np.arange(4096) < length, np.arange(4096), -1).astype(np.int32)
+    return pos, np.arange(length - M, length), None, length
+
+
+@pytest.mark.parametrize("name, n_q, n_kv, D, layout", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_kernel_matches_oracle(name, n_q, n_kv, D, layout, dtype):
+    """M = 1, 3 and 8 (decode and MTP verification), poisoned outputs; with n_slots (the valid
+    length) and without (every slot scanned); a second launch is bit-identical."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + D)
+    for M in (1, 3, 8):
+        pos, qpos, window, n_slots = _layout(name, layout, M)
+        args, want, bound = _problem(rng, 1, n_q, n_kv, M, D, pos, qpos, window, dtype, n_slots)
+        out = at.launch_decode_attention(*args, window, n_slots=n_slots, init_value=NAN)
+        assert out.shape == (1, n_q, M, D) and out.dtype == dtype
+        _check(out, want, bound, dtype, f"{name} M={M} {dtype}")
+        assert mx.array_equal(at.launch_decode_attention(*args, window, n_slots=n_slots), out).item()
+        if n_slots is not None:
+            every = at.launch_decode_attention(*args, window, init_value=NAN)
+            _check(every, want, bound, dtype, f"{name} M={M} {dtype} all slots")
+
+
+@pytest.mark.parametrize("config", [
+    at.AttentionConfig(rows=8, simd_groups=4, tile=32, min_chunk=256, target_groups=512),
+    at.AttentionConfig(rows=16, simd_groups=8, tile=64, min_chunk=128, target_groups=1024),
+    at.AttentionConfig(rows=4, simd_groups=4, tile=8, min_chunk=64, target_groups=64),
+])  # fmt: skip
+def test_geometries(config):
+    """Other geometries: query tiles (several per kv head), tiles, partition sizes; D = 512 and 256."""
+    rng = np.random.default_rng(20)
+    for n_q, n_kv, D, M, layout in ((16, 2, 512, 5, "full"), (16, 8, 256, 7, "ring")):
+        if 32 * config.simd_groups < D // 4:
+            continue
+        pos, qpos, window, n_slots = _layout("x", layout, M)
+        args, want, bound = _problem(rng, 2 if layout == "ring" else 1, n_q, n_kv, M, D, pos, qpos, window,
+                                     mx.float32, n_slots)  # fmt: skip
+        out = at.launch_decode_attention(*args, window, n_slots=n_slots, config=config, init_value=NAN)
+        _check(out, want, bound, mx.float32, f"{config} D={D} M={M}")
+
+
+def test_long_context_partitions():
+    """Capacity 65536 (a full layer, 12B shape: 256 partitions): valid lengths from one partition to
+    all of them, one cache, the positions array and n_slots changing as in decode."""
+    rng = np.random.default_rng(21)
+    S, D = 65536, 512
+    pos_full = np.arange(S, dtype=np.int32)
+    (q, k, v, _, qp), _, _ = _problem(rng, 1, 16, 1, 1, D, pos_full, [S - 1], None, mx.bfloat16)
+    q64, k64, v64 = (np.array(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
+    for length in (700, 50000, S):
+        pos = np.where(pos_full < length, pos_full, -1).astype(np.int32)
+        want, bound = at.attention_f64(q64, k64, v64, pos, np.array([length - 1]), None)
+        qpos = mx.array([length - 1], dtype=mx.int32)
+        out = at.launch_decode_attention(q, k, v, mx.array(pos), qpos, None, n_slots=length, init_value=NAN)
+        _check(out, want, bound, mx.bfloat16, f"length {length}")
+
+
+def test_rows_without_keys_and_empty_cache():
+    rng = np.random.default_rng(22)
+    pos = _ring(64, 40)  # positions 0..40, the rest empty
+    args, want, bound = _problem(rng, 1, 8, 2, 2, 256, pos, [40, 200], 16, mx.float32)
+    out = at.launch_decode_attention(*args, 16, init_value=NAN)
+    _check(out, want, bound, mx.float32, "row past the window")
+    assert float(mx.abs(out[:, :, 1]).max()) == 0.0
+    empty = at.launch_decode_attention(*args, 16, n_slots=0, init_value=NAN)
+    assert float(mx.abs(empty).max()) == 0.0
+
+
+def test_compiled_step_is_shape_stable():
+    """One mx.compile trace serves every decode position and valid length (arrays, not constants)."""
+    rng = np.random.default_rng(23)
+    S, D = 2048, 512
+    traces = []
+
+    def step(q, k, v, positions, q_positions, n_slots):
+        traces.append(1)
+        return at.decode_attention(q, k, v, positions, q_positions, None, n_slots=n_slots)
+
+    compiled = mx.compile(step)
+    for length in (1, 300, 1999, S):
+        pos = np.where(np.arange(S) < length, np.arange(S), -1).astype(np.int32)
+        (q, k, v, p, qp), want, bound = _problem(rng, 1, 8, 1, 1, D, pos, [length - 1], None, mx.float32, length)
+        out = compiled(q, k, v, p, qp, mx.array([length], dtype=mx.int32))
+        _check(out, want, bound, mx.float32, f"compiled, length {length}")
+    assert len(traces) == 1
+
+
+def test_dispatch_uses_kernel_and_reference_switch(monkeypatch):
+    rng = np.random.default_rng(24)
+    pos, qpos, window, _ = _layout("31B sliding", "ring", 2)
+    args, want, bound = _problem(rng, 1, 8, 4, 2, 256, pos, qpos, window, mx.bfloat16)
+    kernel = at.decode_attention(*args, window)
+    assert mx.array_equal(kernel, at.launch_decode_attention(*args, window)).item()
+    _check(kernel, want, bound, mx.bfloat16, "dispatch")
+    monkeypatch.setenv(custom_kernels.KERNELS_ENV, "reference")
+    q, k, v, p, qp = args
+    clean = [mx.where(mx.isnan(a), 0.0, a).astype(a.dtype) for a in (k, v)]  # the reference needs finite slots
+    reference = at.decode_attention(q, *clean, p, qp, window)
+    assert reference.shape == kernel.shape and reference.dtype == kernel.dtype
+    # MLX's CUDA f32 matmul runs on TF32 tensor cores: the reference path is only ~1e-3 there
+    err = np.abs(np.array(reference.astype(mx.float32)).astype(np.float64) - want) / bound
+    assert err.max() <= (2**-7 if custom_kernels.backend() == "cuda" else BF16_LIMIT)
