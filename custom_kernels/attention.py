@@ -274,16 +274,16 @@ _PARTIAL_BODY = r"""
     for (int st = sg; st < SUBS; st += NSG) {
       const int s0 = t0 + st * SB;
       bool ok[SB];
-      bool any = false;
+      bool some = false;
       $unroll for (int i = 0; i < SB; ++i) {
         const int p = s0 + i < end ? kpos[s0 + i] : -1;
         ok[i] = p >= 0 && p <= qmax && (WIN == 0 || qmin - p < WIN);
-        any = any || ok[i];
+        some = some || ok[i];
       }
       if (lane == 0) {
         $unroll for (int i = 0; i < SB; ++i) ok_s[st * SB + i] = ok[i] ? 1 : 0;
       }
-      if (!any) {
+      if (!some) {
         for (int i = lane; i < nrows * SB; i += 32) s_s[(i / SB) * TS + st * SB + i % SB] = NEG_INF;
         continue;
       }
@@ -365,9 +365,9 @@ _PARTIAL_BODY = r"""
     }
     for (int c = 0; c < TS; c += 4) {
       bool okv[4];
-      bool any = false;
-      $unroll for (int u = 0; u < 4; ++u) { okv[u] = ok_s[c + u] != 0; any = any || okv[u]; }
-      if (!any) continue;
+      bool some = false;
+      $unroll for (int u = 0; u < 4; ++u) { okv[u] = ok_s[c + u] != 0; some = some || okv[u]; }
+      if (!some) continue;
       float vv[4][4];
       $unroll for (int u = 0; u < 4; ++u) {
         if (okv[u]) {
@@ -590,7 +590,7 @@ _SLOT_CONSTANTS: dict[int, mx.array] = {}
 
 def _slots_array(n_slots, slots: int) -> mx.array:
     """int32 [1] valid-slot bound in [0, slots]: a cached constant for Python ints, else clipped."""
-    if n_slots is None or isinstance(n_slots, int):
+    if n_slots is None or isinstance(n_slots, (int, np.integer)):
         n = slots if n_slots is None else min(max(int(n_slots), 0), slots)
         arr = _SLOT_CONSTANTS.get(n)
         if arr is None:

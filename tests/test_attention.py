@@ -270,6 +270,16 @@ def test_plugged_into_model_reproduces_logits(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 
+def test_valid_slot_bound_forms():
+    """n_slots as None, a Python/numpy int, a 0-d array (a static cache's length) or [1]: int32 [1]
+    clipped to [0, S]; Python ints give one cached constant."""
+    for given, want in ((None, 40), (7, 7), (np.int64(99), 40), (-3, 0), (mx.array(12, dtype=mx.int32), 12),
+                        (mx.array([50]), 40), (mx.array([-1]), 0)):  # fmt: skip
+        got = at._slots_array(given, 40)
+        assert got.dtype == mx.int32 and got.shape == (1,) and got.item() == want
+    assert at._slots_array(7, 40) is at._slots_array(7, 40)
+
+
 def test_partition_layout_covers_valid_slots():
     for n in (0, 1, 7, 31, 32, 33, 255, 256, 257, 1000, 4097, 262144):
         for parts in (1, 2, 3, 16, 128, 1024):
