@@ -85,6 +85,7 @@ __all__ = [
     "MAX_QUERY_ROWS",
     "attention_f64",
     "partials_f64",
+    "merge_f64",
     "kernel_specs",
 ]
 
@@ -144,15 +145,18 @@ def decode_attention_reference(q: mx.array, k_cache: mx.array, v_cache: mx.array
                                q_positions: mx.array, window: int | None = None) -> mx.array:  # fmt: skip
     """Reference: scores q k^T in f32 (scale 1), masked softmax in f32, @ v -> [B, n_q, M, D], q.dtype.
 
-    GQA without copying K/V: q is viewed as [B, n_kv, G, M, D] against K [B, n_kv, 1, S, D].
-    Assumes the cache holds finite values (masked slots get probability 0, and 0 * finite = 0)."""
+    GQA without repeating K/V: the G*M query rows of a kv head (row g*M + m) form one matrix
+    [B, n_kv, G*M, D] against K [B, n_kv, S, D]. Assumes the cache holds finite values (masked
+    slots get probability 0, and 0 * finite = 0)."""
     B, n_q, M, D, n_kv, S = _check(q, k_cache, v_cache, positions, q_positions, window)
     G = n_q // n_kv
-    qf = q.astype(mx.float32).reshape(B, n_kv, G, M, D)
-    kf = k_cache.astype(mx.float32)[:, :, None]
-    vf = v_cache.astype(mx.float32)[:, :, None]
-    scores = qf @ kf.swapaxes(-1, -2)  # [B, n_kv, G, M, S]
+    qf = q.astype(mx.float32).reshape(B, n_kv, G * M, D)
+    kf = k_cache.astype(mx.float32)
+    vf = v_cache.astype(mx.float32)
+    scores = qf @ kf.swapaxes(-1, -2)  # [B, n_kv, G*M, S]
     mask = attend_mask(q_positions, positions, window)
+    if G > 1:
+        mask = mx.tile(mask, (G, 1))  # row g*M + m -> mask row m
     neg_inf = mx.array(-math.inf, dtype=mx.float32)
     scores = mx.where(mask, scores, neg_inf)
     top = mx.max(scores, axis=-1, keepdims=True)
@@ -539,7 +543,8 @@ class DecodePlan:
 
 
 def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: int, q_dtype: str, kv_dtype: str,
-                window: int | None, config: AttentionConfig | None = None, which: str | None = None) -> DecodePlan:  # fmt: skip
+                window: int | None, config: AttentionConfig | None = None,
+                which: str | None = None) -> DecodePlan:  # fmt: skip
     """Launch plan for q [batch, n_q, m, head_dim] over caches [batch, n_kv, slots, head_dim]."""
     which = which or backend()
     if which not in _SHARED_LIMIT:

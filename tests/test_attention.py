@@ -191,7 +191,7 @@ def test_matches_model_sdpa_on_cache_shaped_inputs(dtype):
             got = at.decode_attention_reference(q, keys, values, positions, q_pos, window)
             assert got.dtype == want.dtype == dtype
             diff = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
-            assert diff <= (2e-6 if dtype == mx.float32 else 5e-2), (type(cache).__name__, T, diff)
+            assert diff <= (1e-5 if dtype == mx.float32 else 5e-2), (type(cache).__name__, T, diff)
             exact, bound = at.attention_f64(*(np.array(a.astype(mx.float32)).astype(np.float64)
                                               for a in (q, keys, values)), np.array(positions), np.array(q_pos),
                                             window)  # fmt: skip
