@@ -35,7 +35,8 @@ class CompiledDecoder:
     """Decode one token at a time through a compiled step over fixed-shape caches.
 
     model: gemma4_mlx.model.Model; cache: prefilled caches from cache.make_cache; capacity: slots
-    for full-attention layers (>= the final length). `step(token int32 [1, 1]) -> logits fp32 [1, V]`.
+    for full-attention layers (>= the final length; a step past it raises ValueError).
+    `decoder(token int32 [1, 1]) -> logits fp32 [1, V]`.
     """
 
     def __init__(self, model, cache: list, capacity: int):
@@ -49,17 +50,26 @@ class CompiledDecoder:
         self.capacity = capacity
         self.length = cache_length(cache)  # positions held, tracked on the host (no sync per step)
 
-        self.traces = 0  # how often MLX traced the step (the Python body runs only when tracing)
+        kinds = self.kinds
+        traces = self._traces = [0]
 
-        def step(token, *state):
-            self.traces += 1
-            caches = _rebuild(self.kinds, list(state))
+        def step(token, *state):  # refers to no `self`: no reference cycle keeps the buffers alive
+            traces[0] += 1  # the Python body runs only when MLX traces the step
+            caches = _rebuild(kinds, list(state))
             h = model.model(token, caches)
             return (model.logits(h[:, -1, :]), *_flatten(caches))
 
         self._step = mx.compile(step)
 
+    @property
+    def traces(self) -> int:
+        """How often MLX traced the step (1 for a whole generation)."""
+        return self._traces[0]
+
     def __call__(self, token: mx.array) -> mx.array:
+        if self.length + token.shape[-1] > self.capacity:
+            # a slice update past the buffer end is not checked by MLX: never let it happen
+            raise ValueError(f"the compiled decode step is full ({self.capacity} positions)")
         state, self.state = self.state, None
         logits, *new_state = self._step(token, *state)
         del state  # the step's graph holds the only references: MLX may update the buffers in place

@@ -12,6 +12,10 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from custom_kernels import use_reference
+from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention
+
+from .cache import StaticKVCache
 from .config import FULL, LayerSpec, ModelConfig
 
 
@@ -83,8 +87,9 @@ class Attention(nn.Module):
         s = self.spec
         q = self.q_proj(x).reshape(B, T, s.num_heads, s.head_dim)
         q = self.rope(self.q_norm(q).transpose(0, 2, 1, 3), offset)
+        n_slots = None
         if s.kv_shared:
-            keys, values, positions = shared_kv[s.type]
+            keys, values, positions, n_slots = shared_kv[s.type]
         else:
             k = self.k_proj(x).reshape(B, T, s.num_kv_heads, s.head_dim)
             v = k if s.k_eq_v else self.v_proj(x).reshape(B, T, s.num_kv_heads, s.head_dim)
@@ -92,10 +97,16 @@ class Attention(nn.Module):
             v = self.v_norm(v).transpose(0, 2, 1, 3)
             if cache is not None:
                 keys, values, positions = cache.update(k, v)
+                n_slots = cache.offset if isinstance(cache, StaticKVCache) else None
             else:
                 keys, values, positions = k, v, offset + mx.arange(T, dtype=mx.int32)
-            shared_kv[s.type] = (keys, values, positions)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask_fn(s, positions))
+            shared_kv[s.type] = (keys, values, positions, n_slots)
+        if T <= MAX_QUERY_ROWS and not use_reference():
+            # decode / verification on a GPU: split-GQA kernel straight over the cache buffers
+            out = decode_attention(q, keys, values, positions, offset + mx.arange(T, dtype=mx.int32),
+                                   s.sliding_window, n_slots=n_slots)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask_fn(s, positions))
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 

@@ -24,6 +24,19 @@ def test_compiled_decode_equals_eager_decode(any_fixture):
     assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
 
 
+def test_step_past_capacity_raises(dense_fixture):
+    import pytest
+
+    model = load_hf(dense_fixture.hf_dir, dtype=mx.float32, progress=False)
+    cache = make_cache(model.cfg)
+    model(mx.array([[2, 300, 301]]), cache)
+    decoder = CompiledDecoder(model, cache, capacity=5)
+    decoder(mx.array([[302]]))
+    decoder(mx.array([[303]]))
+    with pytest.raises(ValueError, match="full"):
+        decoder(mx.array([[304]]))
+
+
 def test_one_trace_and_no_cache_copies(dense_fixture):
     model = load_hf(dense_fixture.hf_dir, dtype=mx.float32, progress=False)
     ids = probe_ids(40, seed=22, vocab=model.cfg.vocab_size)[0]
@@ -50,3 +63,25 @@ def test_one_trace_and_no_cache_copies(dense_fixture):
     extra = mx.get_active_memory() - weights - state
     assert extra < buffer_bytes // 2, f"{extra} bytes alive beyond weights and one set of cache buffers"
     assert decoder.traces == 1
+
+
+def test_gpu_attention_path_matches(any_fixture, monkeypatch):
+    """The model's GPU decode path (custom_kernels.attention.decode_attention over whole cache
+    buffers, here through its reference) gives the logits of the SDPA path, eager and compiled."""
+    import gemma4_mlx.model as model_module
+
+    model = load_hf(any_fixture.hf_dir, dtype=mx.float32, progress=False)
+    ids = probe_ids(70, seed=23, vocab=model.cfg.vocab_size)[0]
+
+    def run():
+        cache = make_cache(model.cfg)
+        model(mx.array(ids[None, :10]), cache)
+        eager = [np.array(model(mx.array(ids[None, t : t + 1]), cache)[:, -1]) for t in range(10, 40)]
+        decoder = CompiledDecoder(model, cache, capacity=72)
+        compiled = [np.array(decoder(mx.array(ids[None, t : t + 1]))) for t in range(40, 70)]
+        return np.concatenate(eager + compiled)
+
+    sdpa = run()
+    monkeypatch.setattr(model_module, "use_reference", lambda: False)
+    kernel_path = run()
+    assert np.abs(kernel_path - sdpa).max() <= 1e-5 * np.abs(sdpa).max()
