@@ -172,6 +172,41 @@ def sorted_top_k_reference(logits: mx.array, k: int) -> tuple[mx.array, mx.array
     return mx.take_along_axis(x, index, axis=-1), index
 
 
+def _padded_blocks(a: mx.array, block: int) -> mx.array:
+    """[B, N] -> [B, ceil(N / block), block], zero-padded."""
+    b, n = a.shape
+    pad = -n % block
+    if pad:
+        a = mx.concatenate([a, mx.zeros((b, pad), dtype=a.dtype)], axis=-1)
+    return a.reshape(b, -1, block)
+
+
+def _block_len(n: int) -> int:
+    """Power of two near sqrt(n), at least 32: the inner length of a two-level sum over n."""
+    return max(32, 1 << ((max(n, 1) - 1).bit_length() + 1) // 2)
+
+
+def _row_sum(a: mx.array) -> mx.array:
+    """f32 [B, N] -> [B]: two-level sum (MLX's CPU sum of one long row is sequential: ~3e-4
+    relative error at N = 262144)."""
+    if a.shape[-1] <= 32:
+        return a.sum(axis=-1)
+    return _padded_blocks(a, _block_len(a.shape[-1])).sum(axis=-1).sum(axis=-1)
+
+
+def _prefix_sums(w: mx.array) -> tuple[mx.array, mx.array]:
+    """Inclusive and exclusive prefix sums of f32 [B, N] along N, two-level (block totals, then
+    prefix sums inside blocks), so the rounding error grows with about sqrt(N), not N."""
+    b, n = w.shape
+    if n <= 32:
+        return mx.cumsum(w, axis=-1), mx.cumsum(w, axis=-1, inclusive=False)
+    blocks = _padded_blocks(w, _block_len(n))
+    offsets = mx.cumsum(blocks.sum(axis=-1), axis=-1, inclusive=False)[..., None]
+    incl = (offsets + mx.cumsum(blocks, axis=-1)).reshape(b, -1)[:, :n]
+    excl = (offsets + mx.cumsum(blocks, axis=-1, inclusive=False)).reshape(b, -1)[:, :n]
+    return incl, excl
+
+
 def _first_argmax(x: mx.array) -> mx.array:
     """int32 [B]: the lowest index of the row maximum (x canonical)."""
     top = x.max(axis=-1, keepdims=True)
@@ -185,19 +220,19 @@ def sample_reference(logits: mx.array, temp: float, top_k: int = 0, top_p: float
     """Reference of ``sample`` in MLX ops (same arguments, same semantics, see the module doc)."""
     b, v = _check_args(logits, temp, top_k, top_p, min_p, min_tokens_to_keep)
     x = _canonical(logits)
-    lse = mx.logsumexp(x, axis=-1)
+    top = x.max(axis=-1)
+    log_total = mx.log(_row_sum(mx.exp(x - top[:, None])))  # logprob = (x_t - top) - log_total
     if temp == 0:
         token = _first_argmax(x)
         value = mx.take_along_axis(x, token[:, None], axis=-1)[:, 0]
-        return token, value - lse
+        return token, (value - top) - log_total
     u = uniform_draw(key_or_uniform, b)
     k = _kept_count(top_k, temp, v)
     values, index = sorted_top_k_reference(x, k)
     s = values * (1.0 / temp)
     s0 = s[:, :1]
     w = mx.where(s == s0, mx.array(1.0, dtype=mx.float32), mx.exp(s - s0))
-    incl = mx.cumsum(w, axis=-1)
-    excl = mx.cumsum(w, axis=-1, inclusive=False)
+    incl, excl = _prefix_sums(w)
     total = incl[:, -1:]
     n_p = mx.sum(excl < top_p * total, axis=-1) if top_p < 1.0 else mx.full((b,), k, dtype=mx.int32)
     n_m = mx.sum(w >= min_p, axis=-1) if min_p > 0.0 else mx.full((b,), k, dtype=mx.int32)
@@ -208,7 +243,7 @@ def sample_reference(logits: mx.array, temp: float, top_k: int = 0, top_p: float
     below = mx.sum((incl <= u[:, None] * kept_total) & (rank < n_eff[:, None]), axis=-1)
     pick = mx.minimum(below, n_eff - 1).astype(mx.int32)[:, None]
     token = mx.take_along_axis(index, pick, axis=-1)[:, 0]
-    return token, mx.take_along_axis(values, pick, axis=-1)[:, 0] - lse
+    return token, (mx.take_along_axis(values, pick, axis=-1)[:, 0] - top) - log_total
 
 
 # --------------------------------------------------------------------------------------------
