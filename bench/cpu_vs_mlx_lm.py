@@ -16,7 +16,8 @@ kernels and never reach BLAS):
    `build_gemma4_tokenizer` (both loaders want one). Then a Q4_0 GGUF of it with
    `gemma4_mlx.convert.convert(..., "q4_0")`.
 2. Loads the engines: this project's `load_hf` in bf16 and f32 and `load_gguf` of the Q4_0 file
-   (bf16 activations); mlx-lm's `mlx_lm.load` in bf16, the same weights cast to f32, and its own
+   with bf16 activations (ours-q4) and with f32 ones (ours-q4-f32: what `gemma4_mlx.load` picks on
+   a CPU with a verified fast BLAS); mlx-lm's `mlx_lm.load` in bf16, the same weights cast to f32, and its own
    4-bit affine quantization (`mlx_lm.utils.quantize_model`, bits 4, --mlxlm-group-size, default
    32 = Q4_0's block; scales/biases bf16, as `mlx_lm.convert -q` makes them).
 3. Rounds, interleaved (engine A, B, C, ... then again): each run is one greedy generation from a
@@ -33,7 +34,7 @@ kernels and never reach BLAS):
    is the measured step time minus these parts (norms, RoPE, cache writes, masks, graph building).
 
 Results: a markdown table on stdout and JSON (hardware, versions, BLAS, load average, every run,
-medians, ratios, profile) in bench/results/cpu_vs_mlx_lm-<date>[-quick].json (or --out).
+medians, ratios, profile) in bench/results/cpu_vs_mlx_lm-<date>T<time>[-quick].json (or --out).
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -69,13 +69,35 @@ from gemma4_mlx.model import Model
 from gemma4_mlx.tokenizer_train import DEFAULT_TRAINING_TEXT, build_gemma4_tokenizer, save_hf_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _sources_sha256() -> str:
+    """Hash of the gemma4_mlx sources as imported now (the checkout may change while a run goes on)."""
+    h = hashlib.sha256()
+    pkg = Path(gemma4_mlx.__file__).parent
+    for f in sorted(pkg.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+SOURCES_SHA256 = _sources_sha256()
+
+
+def _cpu_default_dtype() -> str | None:
+    """The activation dtype gemma4_mlx.load picks on this CPU when none is given (None: no such rule)."""
+    import gemma4_mlx.generate as g
+
+    fn = getattr(g, "default_dtype", None)
+    return None if fn is None else str(fn())
 BUILDER_VERSION = "1"  # bump when the drawn weights change
 SEED = 20260503
-ALL_ENGINES = ("ours-bf16", "mlxlm-bf16", "ours-q4", "mlxlm-q4", "ours-f32", "mlxlm-f32")
+ALL_ENGINES = ("ours-bf16", "mlxlm-bf16", "ours-q4", "ours-q4-f32", "mlxlm-q4", "ours-f32", "mlxlm-f32")
 # ours / mlx-lm pairs for the ratio table
 PAIRS = (("bf16", "ours-bf16", "mlxlm-bf16"), ("4-bit", "ours-q4", "mlxlm-q4"),
-         ("f32", "ours-f32", "mlxlm-f32"), ("ours f32 vs mlx-lm bf16", "ours-f32", "mlxlm-bf16"),
-         ("ours 4-bit vs mlx-lm bf16", "ours-q4", "mlxlm-bf16"))
+         ("f32", "ours-f32", "mlxlm-f32"), ("4-bit, ours with f32 activations", "ours-q4-f32", "mlxlm-q4"),
+         ("ours f32 vs mlx-lm bf16", "ours-f32", "mlxlm-bf16"),
+         ("ours 4-bit vs mlx-lm bf16", "ours-q4", "mlxlm-bf16"),
+         ("ours 4-bit f32-act vs mlx-lm bf16", "ours-q4-f32", "mlxlm-bf16"))
 
 
 def log(msg: str) -> None:
@@ -205,6 +227,9 @@ def load_engines(names: list[str], hf_dir: Path, gguf_path: Path, group_size: in
         elif name == "ours-q4":
             model, _ = load_gguf(gguf_path, dtype=mx.bfloat16, progress=False)
             e = Engine(name, model, "ours", "load_gguf of the Q4_0 file (f32 scales/biases, bf16 activations)")
+        elif name == "ours-q4-f32":
+            model, _ = load_gguf(gguf_path, dtype=mx.float32, progress=False)
+            e = Engine(name, model, "ours", "load_gguf(dtype=float32) of the Q4_0 file (f32 activations)")
         elif name.startswith("mlxlm-"):
             import mlx_lm
             from mlx_lm.utils import load_model, quantize_model
@@ -349,6 +374,67 @@ def profile_decode_step(engine: Engine, cfg: ModelConfig, context: int, step_s: 
     return out
 
 
+def _fresh_cache(engine: Engine, cfg: ModelConfig, idx: int):
+    """A new cache for layer idx alone, as each library makes it."""
+    if engine.family == "ours":
+        from gemma4_mlx.cache import make_cache
+
+        return make_cache(cfg)[idx]
+    return engine.model.make_cache()[idx]
+
+
+def profile_prefill(engine: Engine, cfg: ModelConfig, prompt: list[int], reps: int = 3) -> dict:
+    """Seconds of a prefill of len(prompt) tokens per part: the model cut to one sliding / one full
+    layer (its `model.model.layers` list swapped for one layer, a fresh cache) minus the model cut to
+    no layer gives a whole layer; its projections and MLP are timed alone on the same number of
+    rows; "attention rest" = layer - projections - MLP (norms, RoPE, masks, cache writes and the
+    attention core, which is where the two libraries differ: ours attends over its whole sliding
+    ring plus the chunk, mlx-lm over the chunk). Multiplied by the number of layers of each kind."""
+    tm = engine.model.model
+    layers = tm.layers
+    dtype = layers[0].input_layernorm.weight.dtype
+    T = len(prompt)
+    tokens = mx.array(prompt, dtype=mx.int32)[None]
+    key = mx.random.key(11)
+    x = mx.random.normal((1, T, cfg.hidden_size), key=key).astype(dtype)
+
+    def forward(sel: list[int]) -> float:
+        tm.layers = [layers[i] for i in sel]
+        try:
+            def fn():
+                cache = [_fresh_cache(engine, cfg, i) for i in sel]
+                return tm(tokens, cache=cache)
+            return _time_eval(fn, reps)
+        finally:
+            tm.layers = layers
+
+    base = forward([])
+    parts: dict[str, float] = {"embedding + final norm": base}
+    for kind in (SLIDING, FULL):
+        count = sum(t == kind for t in cfg.layer_types)
+        if not count:
+            continue
+        idx = cfg.layer_types.index(kind)
+        spec, layer = cfg.layers[idx], layers[idx]
+        attn = layer.self_attn
+        whole = forward([idx]) - base
+        d, nh = spec.head_dim, spec.num_heads
+        proj = {"q_proj": x, "k_proj": x,
+                "o_proj": mx.random.normal((1, T, nh * d), key=key).astype(dtype)}
+        if not spec.k_eq_v:
+            proj["v_proj"] = x
+        t_proj = sum(_time_eval(lambda m=getattr(attn, n), a=a: m(a), reps) for n, a in proj.items())
+        xm = mx.random.normal((1, T, spec.intermediate_size), key=key).astype(dtype)
+        t_mlp = (_time_eval(lambda: layer.mlp.gate_proj(x), reps) + _time_eval(lambda: layer.mlp.up_proj(x), reps)
+                 + _time_eval(lambda: layer.mlp.down_proj(xm), reps))
+        tag = "sliding" if kind == SLIDING else "full"
+        parts[f"{tag} attn projections (x{count})"] = t_proj * count
+        parts[f"{tag} MLP (x{count})"] = t_mlp * count
+        parts[f"{tag} attention rest (x{count})"] = (whole - t_proj - t_mlp) * count
+    return {"prompt_tokens": T, "activation_dtype": str(dtype), "parts_s": parts,
+            "sum_parts_s": sum(parts.values())}
+
+
 # --------------------------------------------------------------------------------------------
 # reporting
 
@@ -389,6 +475,8 @@ def hardware_info() -> dict:
     except (ValueError, OSError):
         pass
     return {
+        "gemma4_mlx_sources_sha256": SOURCES_SHA256,
+        "gemma4_mlx_cpu_default_dtype": _cpu_default_dtype(),
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu": cpu,
@@ -426,16 +514,23 @@ def summarize(runs: list[dict], engines: list[str]) -> dict:
     return out
 
 
-def ratios(summary: dict) -> dict:
+def ratios(summary: dict, runs: list[dict]) -> dict:
+    """ours / mlx-lm: ratio of the medians, and the median of per-round ratios (runs of the same
+    round are minutes apart, so a paired ratio is less exposed to the machine's load drifting)."""
     out = {}
+    by_round = {(r["engine"], r["round"]): r for r in runs}
     for label, a, b in PAIRS:
         if a in summary and b in summary:
             sa, sb = summary[a], summary[b]
+            paired = [(by_round[(a, k)], by_round[(b, k)]) for (e, k) in by_round if e == a and (b, k) in by_round]
             out[label] = {
                 "ours": a, "mlx_lm": b,
                 "prefill": sa["prefill_tps_median"] / sb["prefill_tps_median"],
                 "decode": (sa["decode_tps_median"] / sb["decode_tps_median"]
                            if sa["decode_tps_median"] and sb["decode_tps_median"] else None),
+                "prefill_paired": [ra["prefill_tps"] / rb["prefill_tps"] for ra, rb in paired],
+                "decode_paired": [ra["decode_tps"] / rb["decode_tps"] for ra, rb in paired
+                                  if ra["decode_tps"] and rb["decode_tps"]],
             }
     return out
 
@@ -471,11 +566,13 @@ def print_report(result: dict) -> None:
         dec = "—" if v["decode_tps_median"] is None else f"{v['decode_tps_median']:.3f}"
         print(f"| {name} | {v['prefill_tps_median']:.2f} | {dec} | {v['runs']} | "
               f"{','.join(map(str, v['decode_tokens']))} | {result['weights_gb'][name]:.2f} |")
-    print("\n| ours / mlx-lm | prefill | decode |")
-    print("|---|---|---|")
+    print("\n| ours / mlx-lm | prefill (ratio of medians) | decode | prefill per round | decode per round |")
+    print("|---|---|---|---|---|")
     for label, v in result["ratios"].items():
         dec = "—" if v["decode"] is None else f"{v['decode']:.2f}x"
-        print(f"| {label} ({v['ours']} / {v['mlx_lm']}) | {v['prefill']:.2f}x | {dec} |")
+        pp = ", ".join(f"{x:.2f}" for x in v["prefill_paired"]) or "—"
+        dp = ", ".join(f"{x:.2f}" for x in v["decode_paired"]) or "—"
+        print(f"| {label} ({v['ours']} / {v['mlx_lm']}) | {v['prefill']:.2f}x | {dec} | {pp} | {dp} |")
     if result.get("agreement"):
         print("\nGreedy agreement (leading equal tokens of the first run): "
               + ", ".join(f"{k}: {v['leading_tokens_equal']}/{v['compared']}" for k, v in result["agreement"].items()))
@@ -505,6 +602,18 @@ def print_report(result: dict) -> None:
             cells = [("—" if result["profile"][n].get(key) is None else f"{result['profile'][n][key] * 1e3:.1f}")
                      for n in names]
             print(f"| {row} | " + " | ".join(cells) + " |")
+    if result.get("prefill_profile"):
+        pp = result["prefill_profile"]
+        names = list(pp)
+        print(f"\nPrefill profile (s for {result['settings']['prompt_tokens']} tokens; one-layer model runs "
+              "minus a no-layer run; projections and MLP timed alone):")
+        print("| part | " + " | ".join(names) + " |")
+        print("|---|" + "---|" * len(names))
+        for part in pp[names[0]]["parts_s"]:
+            cells = [f"{pp[n]['parts_s'].get(part, float('nan')):.2f}" for n in names]
+            print(f"| {part} | " + " | ".join(cells) + " |")
+        for row, key in (("sum of parts", "sum_parts_s"), ("measured prefill (median)", "measured_s")):
+            print(f"| {row} | " + " | ".join(f"{pp[n][key]:.2f}" for n in names) + " |")
 
 
 # --------------------------------------------------------------------------------------------
@@ -524,7 +633,7 @@ def main(argv=None) -> int:
                    help="an engine whose first run took longer is not repeated in later rounds")
     p.add_argument("--mlxlm-group-size", type=int, default=32, choices=(32, 64, 128))
     p.add_argument("--no-profile", action="store_true", help="skip the decode-step profile")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/cpu_vs_mlx_lm-<date>[-quick].json)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/cpu_vs_mlx_lm-<date>T<HHMM>[-quick].json)")
     args = p.parse_args(argv)
 
     rounds = args.rounds or (1 if args.quick else 3)
@@ -568,13 +677,19 @@ def main(argv=None) -> int:
                 f"cpu {r['cpu_util']:.2f}")
 
     summary = summarize(runs, names)
-    profile = {}
+    profile, prefill_profile = {}, {}
     if not args.no_profile:
         for name in names:
             step = summary[name]["decode_tps_median"]
             log(f"profiling one decode step of {name}")
             profile[name] = profile_decode_step(engines[name], cfg, n_prompt + n_decode // 2,
                                                 1.0 / step if step else None)
+        for name in names:
+            if name == "mlxlm-q4":  # ~0.2 GFLOP/s: a one-layer prefill alone takes minutes
+                continue
+            log(f"profiling the prefill of {name}")
+            prefill_profile[name] = profile_prefill(engines[name], cfg, prompt)
+            prefill_profile[name]["measured_s"] = n_prompt / summary[name]["prefill_tps_median"]
 
     result = {
         "benchmark": "cpu_vs_mlx_lm",
@@ -596,15 +711,16 @@ def main(argv=None) -> int:
         "weights_gb": {n: engines[n].weight_bytes / 1e9 for n in names},
         "runs": runs,
         "summary": summary,
-        "ratios": ratios(summary),
+        "ratios": ratios(summary, runs),
         "agreement": agreement(runs),
         "profile": profile,
+        "prefill_profile": prefill_profile,
         "loadavg_end": os.getloadavg(),
         "elapsed_s": (datetime.datetime.now() - started).total_seconds(),
     }
     print_report(result)
     out = Path(args.out) if args.out else (
-        ROOT / "bench" / "results" / f"cpu_vs_mlx_lm-{started:%Y-%m-%d}{'-quick' if args.quick else ''}.json")
+        ROOT / "bench" / "results" / f"cpu_vs_mlx_lm-{started:%Y-%m-%dT%H%M}{'-quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     log(f"wrote {out} ({result['elapsed_s']:.0f} s in all)")
