@@ -62,6 +62,7 @@ import gc
 import glob
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import statistics
@@ -785,6 +786,7 @@ def run_matrix(args) -> str:
             log(f"{m} {kind}: built in {time.time() - t:.1f} s, "
                 f"{info[kind]['weight_bytes']['total'] / 1e9:.2f} GB, {info[kind]['weight_bytes']['per_token'] / 1e9:.2f} GB/token")  # fmt: skip
             engines.append(engine)
+            del engine  # the list holds the only reference: freed before the next model is built
         save()
         for n in ctxs:
             if time.time() > deadline:
@@ -929,7 +931,7 @@ def readme_table(doc: dict) -> str:
     v = doc.get("versions", {})
     lines = [f"Decode, batch 1, random weights in the real shapes (bench/decode.py, {doc.get('date', '')[:10]}, "
              f"{device}, MLX {v.get('mlx')}, mlx-lm {v.get('mlx_lm') or 'not run'}, commit {v.get('commit') or '?'}; "
-             f"copy bandwidth {doc['copy_bandwidth']['GBps']:.0f} GB/s). gemma4_mlx: Q4_0 + Q8_0 head; mlx-lm: 4-bit "
+             f"copy bandwidth {doc['copy_bandwidth']['GBps']:.0f} GB/s{'' if doc.get('complete', True) else '; partial run'}). gemma4_mlx: Q4_0 + Q8_0 head; mlx-lm: 4-bit "
              f"group {doc.get('args', {}).get('mlxlm_group_size')}. Floor = copy bandwidth / (weight + KV bytes per token).",
              "",
              "| model | context | gemma4_mlx tok/s | mlx-lm tok/s | vs mlx-lm | floor tok/s | % of floor |",
@@ -952,6 +954,14 @@ def readme_table(doc: dict) -> str:
             lines.append(f"| {r['model']} | {r['context']} | {name} | " + " | ".join(
                 _fmt(s.get(k), ".2f") for k in ("full", "projections", "attention", "head", "sampling", "overhead",
                                                 "sampling_top_p")) + " |")  # fmt: skip
+    probes = [(r, name, r[name]) for r in doc.get("rows", []) for name in (OURS, MLX_LM)
+              if "step_peak_growth_bytes" in (r.get(name) or {})]  # fmt: skip
+    if probes:
+        worst = max(probes, key=lambda p: p[2]["step_peak_growth_bytes"] / p[2]["cache_buffer_bytes"])
+        r, name, e = worst
+        share = e["step_peak_growth_bytes"] / e["cache_buffer_bytes"]
+        lines += ["", f"Cache-copy check (peak memory growth over 8 decode steps / one K or V buffer): worst "
+                      f"{share:.2f} ({name}, {r['model']} at {r['context']}){' — a step copies cache buffers' if share > 0.5 else ''}."]  # fmt: skip
     if doc.get("targets"):
         lines += ["", "| target | goal | measured | met |", "|---|---:|---:|---|"]
         for t in doc["targets"]:
@@ -961,7 +971,8 @@ def readme_table(doc: dict) -> str:
 
 
 def plot(doc: dict, path: str) -> bool:
-    """tokens/s vs context per model: gemma4_mlx solid, mlx-lm dashed, floor dotted. False if no matplotlib."""
+    """tokens/s vs context, one panel per model: gemma4_mlx, mlx-lm, the Q4_0 floor, and the issue's
+    tokens/s target where there is one. False (and a message) when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -970,27 +981,34 @@ def plot(doc: dict, path: str) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot written", flush=True)
         return False
-    fig, ax = plt.subplots(figsize=(8, 5))
-    models = list(dict.fromkeys(r["model"] for r in doc.get("rows", [])))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, m in enumerate(models):
-        c = colors[i % len(colors)]
+    models = list(dict.fromkeys(r["model"] for r in doc.get("rows", []) if "skipped" not in r))
+    cols = min(2, max(1, len(models)))
+    rows_n = max(1, math.ceil(len(models) / cols))
+    fig, axes = plt.subplots(rows_n, cols, figsize=(5.5 * cols, 3.8 * rows_n), squeeze=False)
+    goals = {t[1]: t[4] for t in TARGETS if t[3] == "tok_s"}
+    for ax, m in zip(axes.flat, models):
         rows = sorted((r for r in doc["rows"] if r["model"] == m and "skipped" not in r), key=lambda r: r["context"])
-        for name, style, label in ((OURS, "-o", "gemma4_mlx"), (MLX_LM, "--s", "mlx-lm")):
+        for name, style, label in ((OURS, "-o", "gemma4_mlx (Q4_0, Q8_0 head)"), (MLX_LM, "--s", "mlx-lm (4-bit)")):
             pts = [(r["context"], r[name]["tok_s"]) for r in rows if "tok_s" in (r.get(name) or {})]
             if pts:
-                ax.plot(*zip(*pts), style, color=c, label=f"{m} {label}")
+                ax.plot(*zip(*pts), style, label=label)
         pts = [(r["context"], r[OURS]["floor_tok_s"]) for r in rows if "floor_tok_s" in (r.get(OURS) or {})]
         if pts:
-            ax.plot(*zip(*pts), ":", color=c, alpha=0.7, label=f"{m} floor (Q4_0)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("decode tokens/s (batch 1)")
+            ax.plot(*zip(*pts), ":x", color="gray", label="floor (Q4_0 bytes / copy bandwidth)")
+        if m in goals:
+            ax.axhline(goals[m], color="red", lw=0.8, ls="-.", label=f"target {goals[m]:g} tok/s")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set_title(m, fontsize=10)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("decode tok/s (batch 1)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(models):]:
+        ax.axis("off")
     hw = doc.get("hardware", {})
-    ax.set_title(f"Gemma 4 decode, random weights — {hw.get('nvidia_smi', hw.get('backend', '')).split(',')[0]} "
-                 f"({doc.get('date', '')[:10]})", fontsize=10)  # fmt: skip
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    device = (hw.get("nvidia_smi") or hw.get("backend") or "").split(",")[0]
+    fig.suptitle(f"Gemma 4 decode on random weights, {device}, {doc.get('date', '')[:10]} (bench/decode.py)", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -33,11 +33,15 @@ bd = _load_bench()
 
 
 def _has_mlx_lm() -> bool:
-    return importlib.util.find_spec("mlx_lm") is not None and bd.mlx_lm_available()
+    return bd.mlx_lm_available()
 
 
 def _has_matplotlib() -> bool:
-    return importlib.util.find_spec("matplotlib") is not None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _kv_bytes_by_hand(cfg, n: int) -> int:
@@ -206,6 +210,8 @@ def _row(model, ctx, ours, lm):
 def test_targets_table_latest_and_plot(tmp_path, monkeypatch):
     rows = [_row("31B", 4096, 170.0, 45.0), _row("31B", 32768, 140.0, 40.0), _row("26B-A4B", 4096, 300.0, 120.0),
             dict(model="E4B", context=4096, skipped="budget")]
+    rows[0][bd.OURS].update(cache_buffer_bytes=1000, step_peak_growth_bytes=20)
+    rows[1][bd.OURS].update(cache_buffer_bytes=1000, step_peak_growth_bytes=900)
     rows[0][bd.OURS]["stages_ms"] = dict(full=5.9, projections=4.0, attention=0.5, head=0.5, sampling=0.1,
                                          overhead=0.8, sampling_top_p=0.3)
     targets = {t["name"]: t for t in bd.evaluate_targets(rows)}
@@ -222,6 +228,7 @@ def test_targets_table_latest_and_plot(tmp_path, monkeypatch):
     assert "| E4B | 4096 | skipped (budget) |" in table
     assert "| 31B | 4096 | gemma4_mlx | 5.90 | 4.00 | 0.50 | 0.50 | 0.10 | 0.80 | 0.30 |" in table
     assert "| 31B 32K / 4K | 0.85 | 0.82 | no |" in table
+    assert "worst 0.90 (gemma4_mlx, 31B at 32768) — a step copies cache buffers" in table
     # latest full run by recorded date; --quick results are never "latest"
     for name, date in (("decode-cuda-2026-12-01.json", "2026-12-01T10:00:00"),
                        ("decode-cuda-2026-11-30.json", "2026-11-30T23:00:00"),
