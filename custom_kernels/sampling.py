@@ -52,7 +52,6 @@ K keys; top_k = 0 sorts all V).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -62,22 +61,24 @@ from . import get_kernel, use_reference
 from .dialect import DIALECTS, prelude, render
 
 __all__ = [
+    "MAX_CANDIDATES",
     "MAX_TOP_K",
+    "SampleConfig",
+    "SamplePlan",
+    "default_config",
+    "kernel_specs",
+    "launch_merge",
+    "launch_select",
+    "oracle_distribution",
+    "oracle_pick",
+    "oracle_ranking",
+    "oracle_select_pass",
+    "plan_sample",
+    "random_logits",
     "sample",
     "sample_reference",
     "sorted_top_k_reference",
     "uniform_draw",
-    "SampleConfig",
-    "SamplePlan",
-    "default_config",
-    "plan_sample",
-    "launch_select",
-    "launch_merge",
-    "oracle_ranking",
-    "oracle_distribution",
-    "oracle_pick",
-    "oracle_select_pass",
-    "kernel_specs",
 ]
 
 MAX_TOP_K = 1024

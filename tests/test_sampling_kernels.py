@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import gemma4_mlx  # noqa: F401  (first: MLX's CPU BLAS)
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from custom_kernels import sampling as sp
 from gemma4_mlx.sampling import make_sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/metal_emulator
-from metal_emulator import metal_kernel  # noqa: E402
+from metal_emulator import metal_kernel
 
 
 def _rows(x: np.ndarray, n: int) -> mx.array:
