@@ -19,10 +19,18 @@ from typing import Callable
 
 import mlx.core as mx
 
-__all__ = ["backend", "use_reference", "get_kernel", "clear_kernel_cache", "KERNELS_ENV"]
+__all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "clear_kernel_cache", "KERNELS_ENV",
+           "UNPROVEN_ENV"]
 
 KERNELS_ENV = "GEMMA4_MLX_KERNELS"
 """Environment variable: ``reference`` forces the pure-MLX references even on a GPU build."""
+
+UNPROVEN_ENV = "GEMMA4_MLX_UNPROVEN_KERNELS"
+"""Comma-separated op families (e.g. ``attention,sampling``) whose kernels have not yet passed
+``pytest -m gpu`` on real hardware: the model uses them only when named here."""
+
+PROVEN = frozenset({"quant_matvec"})
+"""Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default."""
 
 _kernel_cache: dict[tuple, Callable] = {}
 
@@ -47,6 +55,17 @@ def use_reference() -> bool:
     if mode not in ("", "auto", "kernel", "kernels", "reference"):
         raise ValueError(f"{KERNELS_ENV}={mode!r}: expected 'reference' or unset")
     return mode == "reference" or backend() == "cpu"
+
+
+def use_kernel(family: str) -> bool:
+    """True when the model should call op family ``family``'s custom kernel: a GPU build, no
+    ``GEMMA4_MLX_KERNELS=reference``, and the family proven on hardware (or opted into through
+    ``GEMMA4_MLX_UNPROVEN_KERNELS``). A kernel becomes a default only after it climbs the
+    correctness ladder (design.md), including ``pytest -m gpu``."""
+    if use_reference():
+        return False
+    opted = {f.strip() for f in os.environ.get(UNPROVEN_ENV, "").split(",") if f.strip()}
+    return family in PROVEN or family in opted
 
 
 def get_kernel(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from custom_kernels import use_reference
+from custom_kernels import use_kernel
 from tqdm import tqdm
 
 from . import quants
@@ -157,7 +157,7 @@ def load_gguf(path: str | os.PathLike, dtype=mx.bfloat16, progress: bool = True,
     keep_quantized=False dequantizes every quantized tensor to `dtype` (a float reference model)."""
     if weight_format not in ("auto", "blocks", "affine"):
         raise ValueError(f"weight_format must be auto, blocks or affine, got {weight_format!r}")
-    blocks = weight_format == "blocks" or (weight_format == "auto" and not use_reference())
+    blocks = weight_format == "blocks" or (weight_format == "auto" and use_kernel("quant_matvec"))
     g = read_gguf(path)
     try:
         cfg = ModelConfig.from_gguf(g.metadata, g.tensors)

@@ -12,7 +12,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from custom_kernels import use_reference
+from custom_kernels import use_kernel
 from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention
 
 from .cache import StaticKVCache
@@ -101,7 +101,7 @@ class Attention(nn.Module):
             else:
                 keys, values, positions = k, v, offset + mx.arange(T, dtype=mx.int32)
             shared_kv[s.type] = (keys, values, positions, n_slots)
-        if T <= MAX_QUERY_ROWS and not use_reference():
+        if T <= MAX_QUERY_ROWS and use_kernel("attention"):
             # decode / verification on a GPU: split-GQA kernel straight over the cache buffers
             out = decode_attention(q, keys, values, positions, offset + mx.arange(T, dtype=mx.int32),
                                    s.sliding_window, n_slots=n_slots)

@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable, Mapping
 
 import mlx.core as mx
+from custom_kernels import use_kernel
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -91,6 +92,17 @@ def make_sampler(temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0, top_
     key = [mx.random.key(seed)] if seed is not None else None
 
     def sample(logprobs: mx.array) -> mx.array:
+        if 0 < top_k <= 1024 and use_kernel("sampling"):
+            # GPU: two-pass top-k selection without a full sort (custom_kernels/sampling.py)
+            from custom_kernels.sampling import sample as sample_kernel
+
+            if key is not None:
+                key[0], draw_key = mx.random.split(key[0])
+            else:
+                draw_key = mx.random.uniform(shape=(logprobs.shape[0],))
+            tokens, _ = sample_kernel(logprobs.astype(mx.float32), temp, top_k, top_p, min_p, draw_key,
+                                      min_tokens_to_keep=min_tokens_to_keep)
+            return tokens
         scores = logprobs.astype(mx.float32) * (1.0 / temp)
         index = None
         if 0 < top_k < scores.shape[-1]:

@@ -141,3 +141,24 @@ def test_repetition_penalty_over_the_recent_context():
     assert make_logits_processors(repetition_penalty=1.0) == []
     with pytest.raises(ValueError):
         make_logits_processors(repetition_penalty=0.0)
+
+
+def test_gpu_sampling_path_keeps_top_k_and_seed(monkeypatch):
+    """make_sampler's GPU path (custom_kernels.sampling, here through its reference): draws stay in
+    the top-k, a seed repeats the sequence, greedy-like settings pick the argmax."""
+    import mlx.core as mx
+    import numpy as np
+
+    import gemma4_mlx.sampling as sampling
+
+    monkeypatch.setattr(sampling, "use_kernel", lambda family: family == "sampling")
+    logits = mx.random.normal((1, 3000), key=mx.random.key(4)) * 3
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    top40 = set(np.argsort(-np.array(lp[0]))[:40].tolist())
+    first = sampling.make_sampler(temp=0.8, top_k=40, top_p=0.9, seed=1)
+    draws = [int(first(lp)[0]) for _ in range(200)]
+    assert set(draws) <= top40 and len(set(draws)) > 5
+    again = sampling.make_sampler(temp=0.8, top_k=40, top_p=0.9, seed=1)
+    assert [int(again(lp)[0]) for _ in range(50)] == draws[:50]
+    one = sampling.make_sampler(temp=1.0, top_k=1, seed=2)
+    assert int(one(lp)[0]) == int(mx.argmax(lp[0]))
