@@ -110,9 +110,12 @@ class RotatingKVCache:
             self.positions[slot : slot + 1] = new_pos
             self.offset += 1
             return self.keys, self.values, self.positions
-        K = mx.concatenate([self.keys, keys], axis=2)
-        V = mx.concatenate([self.values, values], axis=2)
-        P = mx.concatenate([self.positions, new_pos])
+        # Before the ring has wrapped only slots 0..offset-1 hold tokens: attend over those alone
+        # (a first prefill chunk then sees just its own keys, not C empty slots).
+        held = min(self.offset, C)
+        K = mx.concatenate([self.keys[:, :, :held], keys], axis=2)
+        V = mx.concatenate([self.values[:, :, :held], values], axis=2)
+        P = mx.concatenate([self.positions[:held], new_pos])
         keep = min(T, C)  # only the last C new tokens can stay in the ring
         slots = mx.array([(self.offset + T - keep + i) % C for i in range(keep)], dtype=mx.int32)
         self.keys[:, :, slots] = keys[:, :, T - keep :]
