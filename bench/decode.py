@@ -72,6 +72,9 @@ import time
 from typing import Callable
 
 import mlx.core as mx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hardware import hardware_info  # noqa: E402  (bench/hardware.py)
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
@@ -638,21 +641,7 @@ def _commit() -> str:
 
 
 def hardware() -> dict:
-    info: dict = {"backend": custom_kernels.backend(), "kernels": not custom_kernels.use_reference(),
-                  "machine": platform.machine(), "system": platform.system()}  # fmt: skip
-    try:
-        info["mlx_device_info"] = {k: (v if isinstance(v, (int, float, str)) else str(v))
-                                   for k, v in mx.device_info().items()}  # fmt: skip
-    except Exception:
-        pass
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)  # fmt: skip
-        if out.returncode == 0:
-            info["nvidia_smi"] = out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
+    return {**hardware_info(), "kernels": not custom_kernels.use_reference()}
 
 
 def _version(dist: str) -> str | None:

@@ -36,6 +36,9 @@ import sys
 import time
 
 import mlx.core as mx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hardware import hardware_info  # noqa: E402  (bench/hardware.py)
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -284,20 +287,7 @@ def _commit() -> str:
 
 
 def hardware() -> dict:
-    info: dict = {"backend": custom_kernels.backend(), "machine": platform.machine(), "system": platform.system()}
-    try:
-        info["mlx_device_info"] = {k: (v if isinstance(v, (int, float, str)) else str(v))
-                                   for k, v in mx.device_info().items()}  # fmt: skip
-    except Exception:
-        pass
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)  # fmt: skip
-        if out.returncode == 0:
-            info["nvidia_smi"] = out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
+    return hardware_info()
 
 
 def _ratios(rows: list[dict]) -> list[dict]:

@@ -8,8 +8,7 @@ import warnings
 import pytest
 from jinja2.exceptions import TemplateError
 
-from gemma4_mlx.tokenizer import Tokenizer, builtin_chat_template, strip_thinking
-from gemma4_mlx.tokenizer_train import DEFAULT_TRAINING_TEXT, build_gemma4_tokenizer, save_hf_tokenizer
+from gemma4_mlx.tokenizer import Tokenizer, strip_thinking
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,21 +59,7 @@ CONVERSATIONS = {
 }
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gemma4_chat")
-    save_hf_tokenizer(build_gemma4_tokenizer([DEFAULT_TRAINING_TEXT], vocab_size=1024), out, builtin_chat_template())
-    return out
-
-
-@pytest.fixture(scope="module")
-def hf_tok(hf_dir):
-    return transformers.AutoTokenizer.from_pretrained(str(hf_dir))
-
-
-@pytest.fixture(scope="module")
-def tok(hf_dir):
-    return Tokenizer.from_hf_dir(hf_dir)
+from test_tokenizer import hf_dir, hf_tok, tok  # noqa: E402,F401  (the shared tokenizer fixtures)
 
 
 def hf_render(hf_tok, messages, tokenize, **kwargs):
