@@ -79,10 +79,13 @@ class Attention(nn.Module):
             periods = [spec.rope_theta ** (2 * i / d) for i in range(n)] + [math.inf] * (d // 2 - n)
             self._rope = dict(base=None, freqs=mx.array(periods, dtype=mx.float32))
 
-    def rope(self, x: mx.array, offset: int) -> mx.array:
+    def rope(self, x: mx.array, offset) -> mx.array:
+        """x [B, heads, T, d] at positions offset..offset+T-1 (offset: int or int32 array)."""
         return mx.fast.rope(x, self.spec.head_dim, traditional=False, scale=1.0, offset=offset, **self._rope)
 
     def __call__(self, x, offset, cache, shared_kv, mask_fn):
+        """x [B, T, H] -> [B, T, H]. Owners update `cache` and publish (K, V, positions, n_slots) in
+        shared_kv[type] for the KV-shared consumers of this step; consumers read it from there."""
         B, T, _ = x.shape
         s = self.spec
         q = self.q_proj(x).reshape(B, T, s.num_heads, s.head_dim)
