@@ -85,9 +85,9 @@ SOURCES_SHA256 = _sources_sha256()
 
 def _cpu_default_dtype() -> str | None:
     """The activation dtype gemma4_mlx.load picks on this CPU when none is given (None: no such rule)."""
-    import gemma4_mlx.generate as g
+    import gemma4_mlx.generate  # noqa: F401  (the package attribute `generate` is the function)
 
-    fn = getattr(g, "default_dtype", None)
+    fn = getattr(sys.modules["gemma4_mlx.generate"], "default_dtype", None)
     return None if fn is None else str(fn())
 BUILDER_VERSION = "1"  # bump when the drawn weights change
 SEED = 20260503
