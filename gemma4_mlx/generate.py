@@ -283,14 +283,17 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
     def state():
         return [c.state for c in cache if c is not None]
 
-    # prefill: every chunk but the last only fills the cache
+    # prefill: all tokens but the last only fill the cache. Evaluating just the cache states lets
+    # MLX drop the work no cache needs (the last layer's attention output and MLP, the KV-shared
+    # layers of the E-series); the last token then runs through everything alone.
     done = 0
     if prompt_progress_callback:
         prompt_progress_callback(0, n_prompt)
-    while n_prompt - done > prefill_step_size:
-        _last_logits(model, tokens[None, done:done + prefill_step_size], cache)
+    while n_prompt - done > 1:
+        step = min(prefill_step_size, n_prompt - 1 - done)
+        _last_logits(model, tokens[None, done:done + step], cache)
         mx.eval(state())
-        done += prefill_step_size
+        done += step
         if prompt_progress_callback:
             prompt_progress_callback(done, n_prompt)
     y, logprobs = choose(_last_logits(model, tokens[None, done:], cache))
