@@ -641,7 +641,9 @@ def _commit() -> str:
 
 
 def hardware() -> dict:
-    return {**hardware_info(), "kernels": not custom_kernels.use_reference()}
+    families = ("quant_matvec", "attention", "sampling")
+    return {**hardware_info(), "kernels": not custom_kernels.use_reference(),
+            "kernel_families": [f for f in families if custom_kernels.use_kernel(f)]}
 
 
 def _version(dist: str) -> str | None:
