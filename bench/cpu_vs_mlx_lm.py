@@ -61,6 +61,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from gemma4_mlx import cpu_matvec
 from gemma4_mlx.checkpoint import load_gguf, load_hf
 from gemma4_mlx.config import FULL, SLIDING, ModelConfig, num_params
 from gemma4_mlx.convert import convert
@@ -75,7 +76,7 @@ def _sources_sha256() -> str:
     """Hash of the gemma4_mlx sources as imported now (the checkout may change while a run goes on)."""
     h = hashlib.sha256()
     pkg = Path(gemma4_mlx.__file__).parent
-    for f in sorted(pkg.glob("*.py")):
+    for f in sorted([*pkg.glob("*.py"), *pkg.glob("*.c")]):
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
@@ -91,13 +92,15 @@ def _cpu_default_dtype() -> str | None:
     return None if fn is None else str(fn())
 BUILDER_VERSION = "1"  # bump when the drawn weights change
 SEED = 20260503
-ALL_ENGINES = ("ours-bf16", "mlxlm-bf16", "ours-q4", "ours-q4-f32", "mlxlm-q4", "ours-f32", "mlxlm-f32")
+ALL_ENGINES = ("ours-bf16", "mlxlm-bf16", "ours-q4", "ours-q4-f32", "mlxlm-q4", "ours-f32", "mlxlm-f32",
+               "ours-f32-mlxhead")
 # ours / mlx-lm pairs for the ratio table
 PAIRS = (("bf16", "ours-bf16", "mlxlm-bf16"), ("4-bit", "ours-q4", "mlxlm-q4"),
          ("f32", "ours-f32", "mlxlm-f32"), ("4-bit, ours with f32 activations", "ours-q4-f32", "mlxlm-q4"),
          ("ours f32 vs mlx-lm bf16", "ours-f32", "mlxlm-bf16"),
          ("ours 4-bit vs mlx-lm bf16", "ours-q4", "mlxlm-bf16"),
-         ("ours 4-bit f32-act vs mlx-lm bf16", "ours-q4-f32", "mlxlm-bf16"))
+         ("ours 4-bit f32-act vs mlx-lm bf16", "ours-q4-f32", "mlxlm-bf16"),
+         ("ours f32, MLX head vs mlx-lm bf16", "ours-f32-mlxhead", "mlxlm-bf16"))
 
 
 def log(msg: str) -> None:
@@ -198,7 +201,8 @@ class Engine:
     def steps(self, prompt: list[int], max_tokens: int):
         """The library's own generate_step, greedy: yields (token id, logprobs)."""
         if self.family == "ours":
-            return ours_generate_step(prompt, self.model, max_tokens=max_tokens)
+            steps = ours_generate_step(prompt, self.model, max_tokens=max_tokens)
+            return _native_off(steps) if self.name.endswith("-mlxhead") else steps
         from mlx_lm.generate import generate_step
 
         return generate_step(mx.array(prompt, dtype=mx.int32), self.model, max_tokens=max_tokens)
@@ -208,6 +212,26 @@ class Engine:
         mx.synchronize()
         if self.family == "mlx-lm":
             mx.synchronize(sys.modules["mlx_lm.generate"].generation_stream)
+
+
+def _native_off(steps):
+    """Run a generator with the native CPU matvec switched off (the head through MLX's matmul)."""
+    saved = os.environ.get(cpu_matvec.ENV_VAR)
+    try:
+        while True:
+            os.environ[cpu_matvec.ENV_VAR] = "off"
+            try:
+                item = next(steps)
+            except StopIteration:
+                return
+            finally:
+                if saved is None:
+                    os.environ.pop(cpu_matvec.ENV_VAR, None)
+                else:
+                    os.environ[cpu_matvec.ENV_VAR] = saved
+            yield item
+    finally:
+        steps.close()
 
 
 def _weight_bytes(model) -> int:
@@ -224,6 +248,9 @@ def load_engines(names: list[str], hf_dir: Path, gguf_path: Path, group_size: in
         elif name == "ours-f32":
             e = Engine(name, load_hf(hf_dir, dtype=mx.float32, progress=False), "ours",
                        "load_hf(dtype=float32)")
+        elif name == "ours-f32-mlxhead":
+            e = Engine(name, load_hf(hf_dir, dtype=mx.float32, progress=False), "ours",
+                       f"load_hf(dtype=float32), {cpu_matvec.ENV_VAR}=off during its runs (head through MLX)")
         elif name == "ours-q4":
             model, _ = load_gguf(gguf_path, dtype=mx.bfloat16, progress=False)
             e = Engine(name, model, "ours", "load_gguf of the Q4_0 file (f32 scales/biases, bf16 activations)")
@@ -356,7 +383,10 @@ def profile_decode_step(engine: Engine, cfg: ModelConfig, context: int, step_s: 
         parts[f"{tag} attn core, {kv_len} keys (x{count})"] = t_sdpa * count
         parts[f"{tag} MLP (x{count})"] = t_mlp * count
     head = engine.model.model.embed_tokens
-    parts["tied head 1 x H @ H x V"] = _time_eval(lambda: head.as_linear(x), reps)
+    if engine.family == "ours" and not engine.name.endswith("-mlxhead") and engine.model.native_head_ready(x):
+        parts["tied head 1 x H @ H x V"] = _time_eval(lambda: engine.model._native_head(x), reps)
+    else:
+        parts["tied head 1 x H @ H x V"] = _time_eval(lambda: head.as_linear(x), reps)
     logits = mx.random.normal((1, cfg.vocab_size), key=key)
     cap = cfg.final_logit_softcapping or 30.0
 
@@ -435,6 +465,56 @@ def profile_prefill(engine: Engine, cfg: ModelConfig, prompt: list[int], reps: i
             "sum_parts_s": sum(parts.values())}
 
 
+def matvec_ops(cfg: ModelConfig, rows: tuple[int, ...], reps: int) -> list[dict]:
+    """Per-op decode matmuls on random weights of the model's shapes (the tied head V x H, an MLP
+    gate H -> F and down F -> H): MLX's own matmul (f32 through the preloaded BLAS's sgemm, bf16,
+    mx.quantized_matmul with f32 activations/scales) against the native matvec (cpu_matvec), for
+    each row count. Median ms of `reps` evals and the weight bytes read per second."""
+    H, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    key = mx.random.key(5)
+    out = []
+    for label, n, k in (("tied head", V, H), ("MLP gate/up", F, H), ("MLP down", H, F)):
+        w32 = (mx.random.normal((n, k), key=key) * k ** -0.5).astype(mx.float32)
+        w16 = w32.astype(mx.bfloat16)
+        q = {bits: mx.quantize(w32, group_size=32, bits=bits) for bits in (4, 8)}
+        mx.eval(w32, w16, *q[4], *q[8])
+        weights_bytes = {"f32": w32.nbytes, "bf16": w16.nbytes,
+                         **{f"q{b}": sum(a.nbytes for a in q[b]) for b in (4, 8)}}
+        for m in rows:
+            x = mx.random.normal((m, k), key=key)
+            xb = x.astype(mx.bfloat16)
+            mx.eval(x, xb)
+            ops = {
+                "mlx f32 (BLAS sgemm)": ("f32", lambda: x @ w32.T),
+                "mlx bf16": ("bf16", lambda: xb @ w16.T),
+                "native f32": ("f32", lambda: cpu_matvec.matmul(x, w32)),
+                "native bf16": ("bf16", lambda: cpu_matvec.matmul(x, w16)),
+            }
+            for bits in (4, 8):
+                ops[f"mlx q{bits} quantized_matmul (f32 act.)"] = (
+                    f"q{bits}", lambda b=bits: mx.quantized_matmul(x, *q[b], transpose=True, group_size=32, bits=b))
+                ops[f"native q{bits} (MLX affine g32)"] = (f"q{bits}", lambda b=bits: cpu_matvec.matmul_affine(x, *q[b], b))
+            for op, (fmt, fn) in ops.items():
+                if op.startswith("native") and not cpu_matvec.available():
+                    continue
+                t = _time_eval(fn, reps)
+                row = {"matmul": label, "N": n, "K": k, "rows": m, "op": op, "weight_format": fmt,
+                       "ms": t * 1e3, "weight_GB_per_s": weights_bytes[fmt] / t / 1e9}
+                out.append(row)
+                log(f"{label} {n}x{k} M={m} {op}: {t * 1e3:.2f} ms, {row['weight_GB_per_s']:.1f} GB/s")
+        del w32, w16, q
+        mx.clear_cache()
+    return out
+
+
+def print_ops(ops: list[dict]) -> None:
+    print("\n| matmul | rows | op | ms (median) | weight GB/s |")
+    print("|---|---|---|---|---|")
+    for r in ops:
+        print(f"| {r['matmul']} {r['N']}x{r['K']} | {r['rows']} | {r['op']} | {r['ms']:.2f} | "
+              f"{r['weight_GB_per_s']:.1f} |")
+
+
 # --------------------------------------------------------------------------------------------
 # reporting
 
@@ -488,6 +568,7 @@ def hardware_info() -> dict:
                      "gemma4_mlx": gemma4_mlx.__version__, "gemma4_mlx_commit": commit,
                      "gemma4_mlx_sources_dirty": dirty, "numpy": version("numpy")},
         "blas": blas.active(),
+        "cpu_matvec": cpu_matvec.describe(),
         "mlx_default_device": str(mx.default_device()),
     }
 
@@ -633,6 +714,10 @@ def main(argv=None) -> int:
                    help="an engine whose first run took longer is not repeated in later rounds")
     p.add_argument("--mlxlm-group-size", type=int, default=32, choices=(32, 64, 128))
     p.add_argument("--no-profile", action="store_true", help="skip the decode-step profile")
+    p.add_argument("--ops", action="store_true",
+                   help="only the per-op decode matmuls (head, MLP) on random weights: MLX vs the native matvec")
+    p.add_argument("--ops-rows", default="1,4,8", help="row counts for --ops (default 1,4,8)")
+    p.add_argument("--ops-reps", type=int, default=9, help="evals per op for --ops (median)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/cpu_vs_mlx_lm-<date>T<HHMM>[-quick].json)")
     args = p.parse_args(argv)
 
@@ -648,7 +733,23 @@ def main(argv=None) -> int:
     started = datetime.datetime.now()
     hw = hardware_info()
     log(f"BLAS: {hw['blas']['name']} verified={hw['blas']['verified']}; load average {os.getloadavg()}")
+    log(hw["cpu_matvec"])
     cfg = bench_config(args.quick)
+    if args.ops:
+        load_before = os.getloadavg()
+        ops = matvec_ops(cfg, tuple(int(r) for r in args.ops_rows.split(",")), args.ops_reps)
+        print_ops(ops)
+        result = {"benchmark": "cpu_vs_mlx_lm --ops", "date": started.isoformat(timespec="seconds"),
+                  "argv": sys.argv[1:] if argv is None else list(argv), "hardware": hw,
+                  "threads": cpu_matvec.threads(), "reps": args.ops_reps, "ops": ops,
+                  "loadavg_before": load_before, "loadavg_end": os.getloadavg(),
+                  "elapsed_s": (datetime.datetime.now() - started).total_seconds()}
+        out = Path(args.out) if args.out else (
+            ROOT / "bench" / "results" / f"cpu_matvec_ops-{started:%Y-%m-%dT%H%M}{'-quick' if args.quick else ''}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        log(f"wrote {out}")
+        return 0
     hf_dir, gguf_path = build_checkpoint(Path(args.cache_dir).expanduser(), cfg)
     engines = load_engines(names, hf_dir, gguf_path, args.mlxlm_group_size)
 

@@ -36,7 +36,8 @@ class CompiledDecoder:
 
     model: gemma4_mlx.model.Model; cache: prefilled caches from cache.make_cache; capacity: slots
     for full-attention layers (>= the final length; a step past it raises ValueError).
-    `decoder(token int32 [1, 1]) -> logits fp32 [1, V]`.
+    `decoder(token int32 [1, 1]) -> logits fp32 [1, V]`. On the CPU with the native matvec
+    (model.native_head_ready()) the step compiles the body only and the head runs after it.
     """
 
     def __init__(self, model, cache: list, capacity: int):
@@ -52,12 +53,16 @@ class CompiledDecoder:
 
         kinds = self.kinds
         traces = self._traces = [0]
+        # CPU with the native matvec: the head is a call outside MLX's graph, so the compiled step
+        # stops at the final-normed hidden state and the head runs after it (GPU: all compiled).
+        self.head_outside = model.native_head_ready()
+        head_inside = not self.head_outside
 
         def step(token, *state):  # refers to no `self`: no reference cycle keeps the buffers alive
             traces[0] += 1  # the Python body runs only when MLX traces the step
             caches = _rebuild(kinds, list(state))
-            h = model.model(token, caches)
-            return (model.logits(h[:, -1, :]), *_flatten(caches))
+            h = model.model(token, caches)[:, -1, :]
+            return (model.logits(h) if head_inside else h, *_flatten(caches))
 
         self._step = mx.compile(step)
 
@@ -71,8 +76,8 @@ class CompiledDecoder:
             # a slice update past the buffer end is not checked by MLX: never let it happen
             raise ValueError(f"the compiled decode step is full ({self.capacity} positions)")
         state, self.state = self.state, None
-        logits, *new_state = self._step(token, *state)
+        out, *new_state = self._step(token, *state)
         del state  # the step's graph holds the only references: MLX may update the buffers in place
         self.state = new_state
         self.length += token.shape[-1]
-        return logits
+        return self.model.logits(out) if self.head_outside else out

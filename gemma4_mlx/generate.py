@@ -291,7 +291,10 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
         prompt_progress_callback(0, n_prompt)
     while n_prompt - done > 1:
         step = min(prefill_step_size, n_prompt - 1 - done)
-        _last_logits(model, tokens[None, done:done + step], cache)
+        chunk = tokens[None, done:done + step]
+        # the body only: the head's output is never needed here (and on the CPU the native head
+        # would evaluate it right away)
+        model.model(chunk, cache) if isinstance(model, Model) else model(chunk, cache)
         mx.eval(state())
         done += step
         if prompt_progress_callback:
@@ -619,9 +622,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:
         print(text)
     elif mx.default_device() == mx.cpu:
-        from . import blas
+        from . import blas, cpu_matvec
 
         print(blas.describe(), file=sys.stderr)
+        print(cpu_matvec.describe(), file=sys.stderr)
     return 0
 
 

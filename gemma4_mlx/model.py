@@ -282,12 +282,48 @@ class Model(nn.Module):
         return (logits, hidden) if return_hidden_states else logits
 
     def logits(self, y: mx.array) -> mx.array:
-        """Tied head and final softcap on final-normed hidden states y [..., H] -> fp32 [..., V]."""
-        logits = self.model.embed_tokens.as_linear(y).astype(mx.float32)
+        """Tied head and final softcap on final-normed hidden states y [..., H] -> fp32 [..., V].
+
+        On the CPU, for 1..8 rows outside mx.compile, the head runs through the native matvec
+        (cpu_matvec.py): y is evaluated here and the logits come back computed (f32 sums)."""
+        logits = self._native_head(y) if self.native_head_ready(y) else None
+        if logits is None:
+            logits = self.model.embed_tokens.as_linear(y).astype(mx.float32)
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = mx.tanh(logits / cap) * cap
         return logits
+
+    def native_head_ready(self, y: mx.array | None = None) -> bool:
+        """True when `logits` would run the head through the native CPU matvec: CPU device, the
+        extension built and enabled, an f32/bf16 or affine 4/8-bit tied embedding, and (given y)
+        at most cpu_matvec.MAX_ROWS rows."""
+        from . import cpu_matvec
+        from .quantized import QuantizedEmbedding
+
+        if mx.default_device() != mx.cpu or not cpu_matvec.enabled():
+            return False
+        if y is not None and not 1 <= y.size // max(y.shape[-1], 1) <= cpu_matvec.MAX_ROWS:
+            return False
+        emb = self.model.embed_tokens
+        if isinstance(emb, QuantizedEmbedding):
+            return emb.bits in (4, 8) and emb.group_size == 32 and emb.scales.dtype == mx.float32
+        return type(emb) is nn.Embedding and emb.weight.dtype in (mx.float32, mx.bfloat16)
+
+    def _native_head(self, y: mx.array) -> mx.array | None:
+        """Head logits fp32 [..., V] through cpu_matvec; None inside a function transformation
+        (mx.compile, vmap, grad), where nothing may be evaluated."""
+        from . import cpu_matvec
+        from .quantized import QuantizedEmbedding
+
+        try:
+            mx.eval(y)
+        except ValueError:  # "[eval] Attempting to eval an array during function transformations"
+            return None
+        emb = self.model.embed_tokens
+        if isinstance(emb, QuantizedEmbedding):
+            return cpu_matvec.matmul_affine(y, emb.weight, emb.scales, emb.biases, emb.bits)
+        return cpu_matvec.matmul(y, emb.weight)
 
     @property
     def layers(self):

@@ -89,7 +89,9 @@ def test_greedy_f32_kernels_equal_reference(variant, qtype, gguf_path, monkeypat
     got, got_lp = _greedy(model, prompt, GREEDY_TOKENS)
     assert got == want, f"first difference at token {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
     err = max(float(np.abs(a - b).max()) for a, b in zip(got_lp, want_lp))
-    assert err < 1e-3, f"logprobs differ by {err:.3g}"
+    # the reference's f32 matmuls run in TF32 on tensor-core GPUs unless MLX_ENABLE_TF32=0 (~1e-3 relative)
+    limit = 1e-4 if os.environ.get("MLX_ENABLE_TF32") == "0" else 3e-2
+    assert err < limit, f"logprobs differ by {err:.3g} (limit {limit:g})"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
