@@ -2,6 +2,7 @@
 
     python bench/cpu_vs_mlx_lm.py            # ~0.38B model, 512-token prefill, 128-token decode, 3 rounds
     python bench/cpu_vs_mlx_lm.py --quick    # tiny model, 1 round, ~1 min: checks the program works
+    python bench/cpu_vs_mlx_lm.py --ops      # per-op decode matmuls only: MLX vs the native matvec
 
 What it does, in one process (gemma4_mlx is imported first, so the fast BLAS it preloads, if any,
 serves every f32 matmul of the process, mlx-lm's included; bf16 and quantized matmuls use MLX's own
@@ -17,7 +18,8 @@ kernels and never reach BLAS):
    `gemma4_mlx.convert.convert(..., "q4_0")`.
 2. Loads the engines: this project's `load_hf` in bf16 and f32 and `load_gguf` of the Q4_0 file
    with bf16 activations (ours-q4) and with f32 ones (ours-q4-f32: what `gemma4_mlx.load` picks on
-   a CPU with a verified fast BLAS); mlx-lm's `mlx_lm.load` in bf16, the same weights cast to f32, and its own
+   a CPU with a verified fast BLAS); ours-f32-mlxhead: ours-f32 with the native CPU matvec
+   (gemma4_mlx/cpu_matvec.py, the tied head at decode) switched off, the head through MLX; mlx-lm's `mlx_lm.load` in bf16, the same weights cast to f32, and its own
    4-bit affine quantization (`mlx_lm.utils.quantize_model`, bits 4, --mlxlm-group-size, default
    32 = Q4_0's block; scales/biases bf16, as `mlx_lm.convert -q` makes them).
 3. Rounds, interleaved (engine A, B, C, ... then again): each run is one greedy generation from a
@@ -32,6 +34,10 @@ kernels and never reach BLAS):
    projections, the attention core over the run's context, the MLP), the tied head and the logits
    tail timed alone (median of several evals), times the number of layers of each kind; "other"
    is the measured step time minus these parts (norms, RoPE, cache writes, masks, graph building).
+
+--ops times the decode matmuls alone on random weights of the model's shapes (tied head, MLP):
+MLX f32 (BLAS sgemm), bf16 and quantized_matmul against the native matvec's f32, bf16 and affine
+4/8-bit paths at 1, 4 and 8 rows; JSON in bench/results/cpu_matvec_ops-<date>T<time>.json.
 
 Results: a markdown table on stdout and JSON (hardware, versions, BLAS, load average, every run,
 medians, ratios, profile) in bench/results/cpu_vs_mlx_lm-<date>T<time>[-quick].json (or --out).
