@@ -141,6 +141,49 @@ def time_rotating(calls: list, quick: bool) -> float:
     return statistics.median(samples)
 
 
+def host_split(calls: list, quick: bool) -> dict:
+    """Where the time of a round goes: ``host_us`` per call until mx.async_eval returns (MLX's
+    scheduling and graph building/launch on the host), ``total_us`` per call until the device is
+    done. host ~ total means the host (MLX's per-op cost) bounds the round, not the kernels."""
+    mx.eval([c() for c in calls])
+    reps = 2 if quick else max(1, 200 // len(calls))
+    host, total = [], []
+    for _ in range(2 if quick else 5):
+        outs = [c() for _ in range(reps) for c in calls]
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.async_eval(outs)
+        t1 = time.perf_counter()
+        mx.synchronize()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / len(outs))
+        total.append((t2 - t0) / len(outs))
+    return {"host_us": statistics.median(host) * 1e6, "total_us": statistics.median(total) * 1e6}
+
+
+_NOOP_KERNEL = None
+
+
+def overhead_probe(quick: bool) -> list[dict]:
+    """Per-op floor: back-to-back launches of a one-thread custom kernel and of a tiny mx.add (no
+    memory traffic to speak of), host enqueue vs total per op."""
+    global _NOOP_KERNEL
+    rows = []
+    xs = [mx.random.normal((64,)) for _ in range(8)]
+    mx.eval(xs)
+    if custom_kernels.backend() == "cuda":
+        if _NOOP_KERNEL is None:
+            _NOOP_KERNEL = mx.fast.cuda_kernel(name="g4_bench_noop", input_names=["a"], output_names=["o"],
+                                               source="if (threadIdx.x == 0) o[0] = a[0];")  # fmt: skip
+        calls = [lambda a=a: _NOOP_KERNEL(inputs=[a], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)],
+                                          output_dtypes=[mx.float32])[0] for a in xs]  # fmt: skip
+        rows.append(dict(name="custom kernel, 1 thread", **host_split(calls, quick)))
+    rows.append(dict(name="mx.add on 64 floats", **host_split([lambda a=a: a + 1.0 for a in xs], quick)))
+    for r in rows:
+        print(f"  overhead: {r['name']:28} host {r['host_us']:6.1f} us/op  total {r['total_us']:6.1f} us/op", flush=True)
+    return rows
+
+
 def copy_bandwidth(quick: bool) -> dict:
     """Device copy rate: a + 1 over a float32 array (1 GiB; 16 MiB with --quick), bytes read + written."""
     n = (1 << 22) if quick else (1 << 28)
@@ -159,7 +202,8 @@ def _dtype_bytes(dtype) -> int:
     return {mx.float32: 4, mx.bfloat16: 2, mx.float16: 2}[dtype]
 
 
-def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=None, with_qmm=True, mma=True):
+def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=None, with_qmm=True, mma=True,
+               stream=True, fma=True):  # fmt: skip
     """Kernel (and quantized_matmul; and the CUDA tensor-core kernel for Q4_0 bf16 unless mma is
     False, with its default geometry or the MmaConfig given as mma) at each M in ms on rotating
     [N, K] weight sets."""
@@ -171,16 +215,25 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
     for m in ms:
         x = mx.random.normal((m, k)).astype(dtype)
         mx.eval(x)
-        if on_gpu:
-            calls = [lambda w=w: qm.launch_dense(x, w, ggml_type, n, config=config) for w in weights]
-        else:
-            calls = [lambda w=w: qm.quant_matvec(x, w, ggml_type, n) for w in weights]
-        sec = time_rotating(calls, quick)
         nbytes = n * rb + m * k * _dtype_bytes(dtype) + m * n * _dtype_bytes(dtype)
-        cfg = config or qm.default_config(ggml_type, "dense", m, n, k)
-        rows.append(dict(model=model, name=name, impl=f"{qm._fmt(ggml_type).name}_matvec", N=n, K=k, M=m,
-                         sets=sets, time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
-                         config=[cfg.rows_per_simd, cfg.simd_groups, cfg.lanes_per_block]))  # fmt: skip
+        if fma:
+            if on_gpu:
+                calls = [lambda w=w: qm.launch_dense(x, w, ggml_type, n, config=config) for w in weights]
+            else:
+                calls = [lambda w=w: qm.quant_matvec(x, w, ggml_type, n) for w in weights]
+            sec = time_rotating(calls, quick)
+            cfg = config or qm.default_config(ggml_type, "dense", m, n, k)
+            rows.append(dict(model=model, name=name, impl=f"{qm._fmt(ggml_type).name}_matvec", N=n, K=k, M=m,
+                             sets=sets, time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
+                             config=[cfg.rows_per_simd, cfg.simd_groups, cfg.lanes_per_block]))  # fmt: skip
+        if (stream and on_gpu and ggml_type == qm.Q4_0 and custom_kernels.backend() == "cuda"
+                and qm.stream_supported(dtype, k)):  # fmt: skip
+            scfg = stream if isinstance(stream, qm.StreamConfig) else qm.default_stream_config("dense", m, n, k)
+            calls = [lambda w=w: qm.launch_dense_stream(x, w, n, config=scfg) for w in weights]
+            sec = time_rotating(calls, quick)
+            rows.append(dict(model=model, name=name, impl="q4_0_matvec_stream", N=n, K=k, M=m, sets=sets,
+                             time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
+                             config=[scfg.tiles, scfg.warps, scfg.stages], **host_split(calls[:8], quick)))  # fmt: skip
         if mma and on_gpu and ggml_type == qm.Q4_0 and dtype == mx.bfloat16 and custom_kernels.backend() == "cuda":
             mcfg = mma if isinstance(mma, qm.MmaConfig) else qm.default_mma_config(n)
             calls = [lambda w=w: qm.launch_dense_mma(x, w, n, config=mcfg) for w in weights]
@@ -204,7 +257,7 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
     return rows
 
 
-def expert_case(model, ex, h, dtype, quick, on_gpu):
+def expert_case(model, ex, h, dtype, quick, on_gpu, stream_configs=None, with_mlx=True):
     """26B-A4B expert path at M = 1: fused gate/up (gelu*up) + down over top_k random experts."""
     e, top_k, f = ex["E"], ex["top_k"], ex["F"]
     gu_rb, dn_rb = qm.row_bytes(qm.Q4_0, h), qm.row_bytes(qm.Q4_0, f)
@@ -225,11 +278,27 @@ def expert_case(model, ex, h, dtype, quick, on_gpu):
         a = qm.q4_0_gate_up_gather(x, ids[i], gu, f)
         return qm.q4_0_matvec_gather(a, ids[i], dn, h)
 
-    sec = time_rotating([lambda i=i: ours(i) for i in range(sets)], quick)
     act = _dtype_bytes(dtype)
     nbytes = top_k * (2 * f * gu_rb + h * dn_rb) + (h + 2 * top_k * f + top_k * h) * act
-    rows = [dict(model=model, name=f"experts top{top_k} (gate_up+down)", impl="q4_0_gate_up+gather", N=2 * f, K=h,
-                 M=1, E=e, sets=sets, time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9)]  # fmt: skip
+    label = f"experts top{top_k} (gate_up+down)"
+    rows = []
+    variants = [("q4_0_gate_up+gather", ours, None)]
+    if on_gpu and custom_kernels.backend() == "cuda" and qm.stream_supported(dtype, h) and qm.stream_supported(dtype, f):
+        for cfg in stream_configs or [None]:
+            def streamed(i, cfg=cfg):
+                gu, dn = layers[i]
+                a = qm.launch_gate_up_stream(x, ids[i], gu, f, config=cfg)
+                return qm.launch_gather_stream(a, ids[i], dn, h, config=cfg)
+
+            variants.append(("q4_0_gate_up+gather_stream", streamed, cfg))
+    for impl, fn, cfg in variants:
+        calls = [lambda i=i, fn=fn: fn(i) for i in range(sets)]
+        sec = time_rotating(calls, quick)
+        extra = {} if cfg is None else {"config": [cfg.tiles, cfg.warps, cfg.stages]}
+        rows.append(dict(model=model, name=label, impl=impl, N=2 * f, K=h, M=1, E=e, sets=sets, time_us=sec * 1e6,
+                         bytes=nbytes, GBps=nbytes / sec / 1e9, **extra, **host_split(calls, quick)))  # fmt: skip
+    if not with_mlx:
+        return rows
     affine = [(to_affine(gu, qm.Q4_0, h, dtype), to_affine(dn, qm.Q4_0, f, dtype)) for gu, dn in layers]
     del layers
     mx.eval(affine)
@@ -278,6 +347,38 @@ def sweep(dtype, quick, on_gpu):
 # --------------------------------------------------------------------------------------------
 
 
+STREAM_SWEEP = [(1, 4, 4), (1, 4, 2), (1, 4, 6), (2, 2, 4), (2, 4, 2), (1, 8, 2), (1, 2, 8), (4, 1, 4)]
+
+
+def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
+    """Issue-4 targets only: per-op overhead, 31B FFN gate/down and attn_q(s) at M = 1 and 8 (FMA,
+    tensor-core and stream kernels), the 26B-A4B expert path (FMA and stream kernels, host/device
+    split), then stream geometries on the FFN gate at M = 1 and on the expert path."""
+    overhead_rows.extend(overhead_probe(args.quick))
+    shapes = QUICK["tiny"]["proj"] if args.quick else [("ffn_gate/up", 21504, 5376), ("ffn_down", 5376, 21504),
+                                                        ("attn_q(s)", 8192, 5376)]  # fmt: skip
+    model = "tiny" if args.quick else "31B"
+    for name, n, k in shapes:
+        add(dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, args.quick, on_gpu, with_qmm=False), rows)
+    ex_model = "tiny" if args.quick else "26B-A4B"
+    spec = QUICK["tiny"] if args.quick else MODELS["26B-A4B"]
+    add(expert_case(ex_model, spec["experts"], spec["H"], dtype, args.quick, on_gpu, with_mlx=False), rows)
+    if not on_gpu or custom_kernels.backend() != "cuda":
+        return
+    name, n, k = shapes[0]
+    for t, w, st in STREAM_SWEEP:
+        cfg = qm.StreamConfig(t, w, st)
+        try:
+            got = dense_case(model, name, qm.Q4_0, n, k, (1,), dtype, args.quick, on_gpu, with_qmm=False, mma=False,
+                             stream=cfg, fma=False)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001  (a geometry the device rejects)
+            got = [dict(model=model, name=name, M=1, config=[t, w, st], error=str(exc)[:200])]
+        add(got, sweep_rows)
+    cfgs = [qm.StreamConfig(*c) for c in STREAM_SWEEP[1:5]]
+    add([r for r in expert_case(ex_model, spec["experts"], spec["H"], dtype, args.quick, on_gpu, cfgs, False)
+         if "stream" in r["impl"]], sweep_rows)  # fmt: skip
+
+
 def _commit() -> str:
     try:
         out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
@@ -302,8 +403,9 @@ def _print_row(r: dict) -> None:
         print(f"  {r.get('model')} {r.get('name')} M={r.get('M')} {r.get('config')}: {r.get('error')}", flush=True)
         return
     cfg = f" {r['config']}" if "config" in r else ""
+    split = f" host {r['host_us']:.1f}/{r['total_us']:.1f} us" if "host_us" in r else ""
     print(f"{r['model']:8} {r['name'][:20]:20} {r['impl'][:26]:26} {r['N']:7d} {r['K']:6d} {r['M']:2d} "
-          f"{r['time_us']:9.1f} {r['GBps']:7.0f} {100 * r['frac_copy']:5.1f}%{cfg}", flush=True)  # fmt: skip
+          f"{r['time_us']:9.1f} {r['GBps']:7.0f} {100 * r['frac_copy']:5.1f}%{cfg}{split}", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -313,6 +415,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--sweep", action="store_true", help="also time launch geometries on key shapes")
     ap.add_argument("--no-qmm", action="store_true", help="skip the mx.quantized_matmul comparison")
+    ap.add_argument("--focus", action="store_true", help="only the issue-4 targets (31B FFN, 26B-A4B experts), "
+                    "the per-op overhead probe and a sweep of the CUDA stream kernels' geometry")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/kernels-<backend>-<date>.json)")
     args = ap.parse_args()
 
@@ -327,13 +431,15 @@ def main() -> None:
     copy = copy_bandwidth(args.quick)
     rows: list[dict] = []
     sweep_rows: list[dict] = []
+    overhead_rows: list[dict] = []
 
     def save(done: bool) -> None:  # after every model, so an interrupted run keeps its numbers
         doc = dict(
             bench="bench/kernels.py", date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args),
             hardware=hardware(), versions=dict(mlx=mx.__version__, numpy=np.__version__, python=platform.python_version(),
                                                commit=_commit()),
-            copy_bandwidth=copy, results=rows, ratios=_ratios(rows), sweep=sweep_rows, complete=done,
+            copy_bandwidth=copy, results=rows, ratios=_ratios(rows), sweep=sweep_rows, overhead=overhead_rows,
+            env={k: v for k, v in os.environ.items() if k.startswith("MLX_")}, complete=done,
             seconds=time.time() - t0,
         )  # fmt: skip
         with open(out, "w") as fh:
@@ -349,6 +455,9 @@ def main() -> None:
     print(f"backend {backend}  kernels {'on' if on_gpu else 'off (references)'}  "
           f"copy bandwidth {copy['GBps']:.0f} GB/s (a + 1 on {copy['bytes'] // 2 >> 20} MiB)")  # fmt: skip
     print(f"{'model':8} {'tensor':20} {'impl':26} {'N':>7} {'K':>6} {'M':>2} {'us':>9} {'GB/s':>7} {'copy%':>6}")
+    if args.focus:
+        focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows)
+        models = {}
     for model, spec in models.items():
         h = spec["H"]
         for name, n, k in spec["proj"]:

@@ -44,6 +44,7 @@ the lanes at the end. Rows past N are skipped, so any N works; K must be a multi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -852,6 +853,326 @@ def launch_dense_mma(x2: mx.array, blocks: mx.array, n: int, config: MmaConfig |
 
 
 # --------------------------------------------------------------------------------------------
+# CUDA only: Q4_0 "stream" kernels (cp.async staging + tensor cores), bf16 activations
+# --------------------------------------------------------------------------------------------
+# Why: at M = 1 the f32-FMA kernel spends ~4-5 instructions per weight (nibble shift/mask, the
+# magic-number conversion, FMA) and reads the 18-byte blocks with 2-byte loads, so it is bounded
+# by instruction issue and load-unit requests, not by HBM (52% of copy at the 31B FFN shape).
+# Here every warp streams its rows' bytes into shared memory with 16-byte (8/4 when the row
+# length allows no more) cp.async copies, ST groups of 8 blocks in flight per warp, and decodes
+# them for mma.sync m16n8k16: 8 nibbles of one 32-bit word -> four bf16x2 (q - 8) registers with
+# a mask, an OR and one bf16x2 subtraction each (exact), x as the B operand (column m = token m),
+# f32 accumulation, d applied per block in f32. That is ~2 instructions per weight, and the same
+# for M = 1..8 (columns of the mma). Metal has no cp.async/mma.sync: there the FMA kernel stays.
+#
+# Lane (g = lane / 4, t = lane % 4) of a 16-row tile takes bytes qs[4t .. 4t+3] of rows g and
+# g + 8 of every block (one word u): the k order inside an mma is free as long as A and B agree,
+# so k-step 0 pairs {w_4t, w_4t+2} (low nibbles of bytes 0, 2 of u) with x {4t, 4t+2} and
+# {w_4t+1, w_4t+3} with x {4t+1, 4t+3}; k-step 1 does the same with the high nibbles (w_16+..).
+# Staged rows are 144 bytes (8 blocks) apart: 36 words, so the 8 rows of a tile fall in distinct
+# banks. Rows that are not 2-byte... every GGUF row is whole blocks; the copy width CH needs
+# row_bytes % CH == 0 (host) and a CH-aligned base pointer (checked here; else 2-byte copies).
+
+_STREAM_HEADER_CUDA = r"""
+// cp.async: CH bytes global -> shared (16: bypass L1; 4 and 8 only exist with .ca)
+template <int CH> __device__ __forceinline__ void g4_cp_async(uint32_t dst, const uint8_t* src);
+template <> __device__ __forceinline__ void g4_cp_async<16>(uint32_t dst, const uint8_t* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+template <> __device__ __forceinline__ void g4_cp_async<8>(uint32_t dst, const uint8_t* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
+}
+template <> __device__ __forceinline__ void g4_cp_async<4>(uint32_t dst, const uint8_t* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void g4_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void g4_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// nibbles of bytes {0, 2} (even) or {1, 3} (odd) of u, low or high half -> bf16x2 {q - 8, q - 8}
+__device__ __forceinline__ uint32_t g4_q4w_lo_even(uint32_t u) { return g4_q4_bf16x2_minus8(u & 0x000F000Fu); }
+__device__ __forceinline__ uint32_t g4_q4w_lo_odd(uint32_t u) { return g4_q4_bf16x2_minus8((u >> 8) & 0x000F000Fu); }
+__device__ __forceinline__ uint32_t g4_q4w_hi_even(uint32_t u) { return g4_q4_bf16x2_minus8((u >> 4) & 0x000F000Fu); }
+__device__ __forceinline__ uint32_t g4_q4w_hi_odd(uint32_t u) { return g4_q4_bf16x2_minus8((u >> 12) & 0x000F000Fu); }
+"""
+
+# Template: T (bfloat16), M (dense: 1..8 activation rows), TILES (16-row tiles per warp), NW (warps
+# per block, each with its own rows), ST (stages of 8 blocks in flight per warp), CH (copy width,
+# bytes), XPP (gather: 1 = x holds one row per (token, slot)). @KIND@: 0 dense, 1 gather, 2 gate_up.
+_STREAM_BODY_CUDA = r"""
+  // gemma4-mlx q4_0 stream kernel (CUDA: cp.async staging, tensor cores, bf16 activations)
+  constexpr int KIND = @KIND@;
+  constexpr int RT = 16 * TILES;   // staged weight rows per warp
+  constexpr int RW = 36;           // words per staged row: 8 blocks = 144 bytes
+  constexpr int SLOT = RT * RW;    // words per stage
+  __shared__ __align__(16) uint32_t g4_stage[NW * ST * SLOT + 4];
+  const int lane = (int)(threadIdx.x & 31u);
+  const int warp = (int)(threadIdx.x >> 5);
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  uint32_t* stage = g4_stage + warp * ST * SLOT;
+  const uint32_t stage_addr = (uint32_t)__cvta_generic_to_shared(stage);
+  const int K = x_shape[1];
+  const int nblocks = K / 32;
+  const int ngroups = (nblocks + 7) / 8;
+  const int unit = (int)blockIdx.x * NW + warp;  // this warp's tile group
+@SETUP@
+  const int F = N / 2;  // gate_up: rows 0..F-1 gate, F..2F-1 up
+  // staged row r (tile r / 16, fragment row r % 16) -> weight row; false past the end
+  auto weight_row = [&](int r, int& wr) -> bool {
+    if (KIND == 2) {
+      const int f = unit * 8 * TILES + 8 * (r >> 4) + (r & 7);
+      wr = ((r >> 3) & 1) ? F + f : f;
+      return live && f < F;
+    }
+    wr = unit * RT + r;
+    return live && wr < N;
+  };
+  const bool aligned = ((reinterpret_cast<uintptr_t>(wmat) | (uintptr_t)row_bytes) & (uintptr_t)(CH - 1)) == 0;
+  auto copy_group = [&](int grp, int slot, int rc) {  // rc = copies per row (of CH bytes)
+    for (int c = lane; c < RT * rc; c += 32) {
+      const int r = c / rc;
+      const int p = c - r * rc;
+      int wr;
+      if (weight_row(r, wr)) {
+        g4_cp_async<CH>(stage_addr + (uint32_t)((slot * SLOT + r * RW) * 4 + p * CH),
+                        wmat + (size_t)wr * row_bytes + (size_t)grp * 144 + p * CH);
+      }
+    }
+  };
+  auto issue = [&](int grp) {
+    if (grp >= ngroups) return;
+    const int nvalid = min(8, nblocks - 8 * grp);
+    const int slot = grp % ST;
+    if (aligned) {
+      if (nvalid == 8) {
+        copy_group(grp, slot, 144 / CH);
+      } else {
+        copy_group(grp, slot, nvalid * 18 / CH);
+      }
+    } else {  // base pointer not CH-aligned (a view): plain 2-byte copies, same layout
+      uint16_t* s16 = reinterpret_cast<uint16_t*>(stage + slot * SLOT);
+      const int rc = nvalid * 9;
+      for (int c = lane; c < RT * rc; c += 32) {
+        const int r = c / rc;
+        const int p = c - r * rc;
+        int wr;
+        if (weight_row(r, wr)) {
+          s16[r * RW * 2 + p] = __ldg(reinterpret_cast<const unsigned short*>(wmat + (size_t)wr * row_bytes + (size_t)grp * 144) + p);
+        }
+      }
+    }
+  };
+  {
+    int wr;
+    bool any = false;
+    for (int r = 0; r < RT; r += 8) any = any || weight_row(r, wr);
+    if (live && !any) return;  // a whole warp past the last row
+  }
+  const __nv_bfloat16* xr = x + (size_t)xrow * K + 4 * t;
+  float acc[TILES][4];
+  _Pragma("unroll") for (int i = 0; i < TILES; ++i) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
+  _Pragma("unroll") for (int s = 0; s < ST - 1; ++s) { issue(s); g4_cp_async_commit(); }
+  for (int grp = 0; grp < ngroups; ++grp) {
+    issue(grp + ST - 1);
+    g4_cp_async_commit();
+    g4_cp_async_wait<ST - 1>();  // group grp has landed (this lane's copies) ...
+    __syncwarp();                // ... and every lane's
+    const uint32_t* S = stage + (grp % ST) * SLOT;
+    const unsigned short* S16 = reinterpret_cast<const unsigned short*>(S);
+    const int nvalid = min(8, nblocks - 8 * grp);
+    _Pragma("unroll 2") for (int bl = 0; bl < nvalid; ++bl) {
+      const int kb = (8 * grp + bl) * 32;
+      const uint2 xa = __ldg(reinterpret_cast<const uint2*>(xr + kb));       // x[4t .. 4t+3]
+      const uint2 xc = __ldg(reinterpret_cast<const uint2*>(xr + kb + 16));  // x[16+4t ..]
+      const uint32_t b00 = __byte_perm(xa.x, xa.y, 0x5410), b01 = __byte_perm(xa.x, xa.y, 0x7632);
+      const uint32_t b10 = __byte_perm(xc.x, xc.y, 0x5410), b11 = __byte_perm(xc.x, xc.y, 0x7632);
+      _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
+        uint32_t u[2];
+        float d[2];
+        _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+          const int o = (16 * i + 8 * h + g) * 144 + 18 * bl;  // block start in the stage
+          d[h] = g4_half_bits(S16[o >> 1]);
+          const int ob = o + 2 + 4 * t;                         // qs[4t .. 4t+3], 2-byte aligned
+          u[h] = __funnelshift_r(S[ob >> 2], S[(ob >> 2) + 1], (ob & 3) * 8);
+        }
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        g4_mma_bf16(part, g4_q4w_lo_even(u[0]), g4_q4w_lo_even(u[1]), g4_q4w_lo_odd(u[0]), g4_q4w_lo_odd(u[1]), b00, b01);
+        g4_mma_bf16(part, g4_q4w_hi_even(u[0]), g4_q4w_hi_even(u[1]), g4_q4w_hi_odd(u[0]), g4_q4w_hi_odd(u[1]), b10, b11);
+        acc[i][0] += d[0] * part[0];
+        acc[i][1] += d[0] * part[1];
+        acc[i][2] += d[1] * part[2];
+        acc[i][3] += d[1] * part[3];
+      }
+    }
+    __syncwarp();  // the slot is refilled by a later issue
+  }
+@STORE@"""
+
+
+_STREAM_SETUP = {
+    "dense": """
+  const int N = wq_shape[0];
+  const int row_bytes = wq_shape[1];
+  const int pair = 0;
+  const bool live = true;
+  const uint8_t* wmat = wq;
+  const int xrow = g < M ? g : 0;  // B column g = token g (columns >= M are discarded)
+""",
+    "gather": """
+  const int n_experts = wq_shape[0];
+  const int N = wq_shape[1];
+  const int row_bytes = wq_shape[2];
+  const int pair = (int)blockIdx.y;
+  const int expert = ids[pair];
+  const bool live = expert >= 0 && expert < n_experts;
+  const uint8_t* wmat = wq + (size_t)(live ? expert : 0) * N * row_bytes;
+  const int xrow = XPP ? pair : pair / ids_shape[1];
+""",
+}
+_STREAM_SETUP["gate_up"] = _STREAM_SETUP["gather"].replace("XPP ? pair : pair / ids_shape[1]", "pair / ids_shape[1]")
+
+_STREAM_STORE = {
+    "dense": """
+  _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
+    _Pragma("unroll") for (int c = 0; c < 4; ++c) {
+      const int row = unit * RT + 16 * i + g + 8 * (c >> 1);
+      const int m = 2 * t + (c & 1);
+      if (m < M && row < N) out[(size_t)m * N + row] = static_cast<T>(acc[i][c]);
+    }
+  }
+""",
+    "gather": """
+  _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
+    _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+      const int row = unit * RT + 16 * i + 8 * h + g;
+      if (t == 0 && row < N) out[(size_t)pair * N + row] = static_cast<T>(live ? acc[i][2 * h] : g4_nan());
+    }
+  }
+""",
+    "gate_up": """
+  _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
+    const int f = unit * 8 * TILES + 8 * i + g;
+    if (t == 0 && f < F) {
+      out[(size_t)pair * F + f] = static_cast<T>(live ? g4_gelu_tanh(acc[i][0]) * acc[i][2] : g4_nan());
+    }
+  }
+""",
+}
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Geometry of the CUDA stream kernels: 16-row tiles per warp, warps per block (each with its
+    own rows), stages (groups of 8 blocks per staged row) in flight per warp."""
+
+    tiles: int = 1
+    warps: int = 4
+    stages: int = 4
+
+    def __post_init__(self):
+        if self.tiles not in (1, 2, 4) or self.warps not in (1, 2, 4, 8) or not 2 <= self.stages <= 8:
+            raise ValueError("tiles must be 1, 2 or 4, warps 1, 2, 4 or 8, stages 2..8")
+        if self.shared_bytes() > 48 * 1024:
+            raise ValueError(f"{self}: {self.shared_bytes()} bytes of static shared memory (> 48 KiB)")
+
+    def shared_bytes(self) -> int:
+        return self.warps * self.stages * 16 * self.tiles * 144 + 16
+
+
+def stream_copy_width(row_bytes: int) -> int:
+    """Bytes per cp.async of the stream kernels for rows of ``row_bytes`` (16, 8 or 4; 0: none fits,
+    i.e. an odd number of blocks per row, which the stream kernels do not take)."""
+    for ch in (16, 8, 4):
+        if row_bytes % ch == 0:
+            return ch
+    return 0
+
+
+_STREAM_KINDS = {"dense": 0, "gather": 1, "gate_up": 2}
+
+
+def _stream_def(kind: str) -> _KernelDef:
+    key = (Q4_0, "stream_" + kind)
+    if key not in _KERNEL_DEFS:
+        name = {"dense": "g4_q4_0_matvec_stream", "gather": "g4_q4_0_matvec_gather_stream",
+                "gate_up": "g4_q4_0_gate_up_gather_stream"}[kind]  # fmt: skip
+        inputs = ("x", "wq") if kind == "dense" else ("x", "ids", "wq")
+        tmpl = ("T",) + (("M",) if kind == "dense" else ()) + ("TILES", "NW", "ST", "CH")
+        tmpl += ("XPP",) if kind == "gather" else ()
+        body = (_STREAM_BODY_CUDA.replace("@KIND@", str(_STREAM_KINDS[kind]))
+                .replace("@SETUP@", _STREAM_SETUP[kind].strip("\n")).replace("@STORE@", _STREAM_STORE[kind].strip("\n")))
+        header = prelude("cuda") + _MMA_HEADER_CUDA + _STREAM_HEADER_CUDA
+        _KERNEL_DEFS[key] = _KernelDef(name, kind, Q4_0, inputs, ("out",), tmpl,
+                                       {"metal": ("", ""), "cuda": (header, body)})  # fmt: skip
+    return _KERNEL_DEFS[key]
+
+
+def default_stream_config(kind: str, m: int, n: int, k: int, pairs: int = 1) -> StreamConfig:
+    """One 16-row tile per warp, 4 warps, 4 stages (a starting point; bench/kernels.py --sweep)."""
+    return StreamConfig(1, 4, 4)
+
+
+def stream_supported(x_dtype: mx.Dtype, k: int) -> bool:
+    """True when the stream kernels take this input: bf16 activations, whole 4-byte words per row."""
+    return x_dtype == mx.bfloat16 and k % 32 == 0 and stream_copy_width(row_bytes(Q4_0, k)) > 0
+
+
+def plan_stream(kind: str, m: int, n: int, k: int, slots: int = 1, x_per_pair: bool = False,
+                config: StreamConfig | None = None) -> LaunchPlan:  # fmt: skip
+    """Launch plan of a CUDA stream kernel; ``n`` is N (dense/gather) or F (gate_up)."""
+    pairs = m * slots if kind != "dense" else 1
+    cfg = config or default_stream_config(kind, m, n, k, pairs)
+    ch = stream_copy_width(row_bytes(Q4_0, k))
+    if not ch:
+        raise ValueError(f"stream kernels: K={k} gives rows of an odd number of blocks")
+    template: list = [("T", "bfloat16")] + ([("M", m)] if kind == "dense" else [])
+    template += [("TILES", cfg.tiles), ("NW", cfg.warps), ("ST", cfg.stages), ("CH", ch)]
+    if kind == "gather":
+        template.append(("XPP", int(bool(x_per_pair))))
+    rows_per_block = (8 if kind == "gate_up" else 16) * cfg.tiles * cfg.warps
+    threads = 32 * cfg.warps
+    grid = (math.ceil(n / rows_per_block) * threads, pairs, 1)
+    out_shape = (m, n) if kind == "dense" else (m, slots, n)
+    return LaunchPlan(template, grid, (threads, 1, 1), out_shape)
+
+
+def _need_bf16(x: mx.array) -> None:
+    if x.dtype != mx.bfloat16:
+        raise TypeError("the Q4_0 stream kernels take bfloat16 activations")
+
+
+def launch_dense_stream(x2: mx.array, blocks: mx.array, n: int, config: StreamConfig | None = None,
+                        init_value: float | None = None) -> mx.array:  # fmt: skip
+    """CUDA stream kernel, Q4_0: bf16 x2 [M <= 8, K] @ blocks [N, ...].T -> [M, N] (CUDA builds only)."""
+    _need_bf16(x2)
+    m, k = x2.shape
+    return _run(_stream_def("dense"), [x2, blocks], plan_stream("dense", m, n, k, config=config), x2.dtype,
+                init_value)  # fmt: skip
+
+
+def launch_gather_stream(x: mx.array, ids: mx.array, blocks: mx.array, n: int,
+                         config: StreamConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
+    """CUDA stream kernel for Q4_0 experts: x [M, K] or [M, k, K] bf16, ids [M, k] -> [M, k, N]."""
+    _need_bf16(x)
+    m, slots = ids.shape
+    k = x.shape[-1]
+    per_pair = x.ndim == 3
+    x2 = x.reshape(m * slots, k) if per_pair else x
+    plan = plan_stream("gather", m, n, k, slots, per_pair, config)
+    return _run(_stream_def("gather"), [x2, ids, blocks], plan, x.dtype, init_value)
+
+
+def launch_gate_up_stream(x: mx.array, ids: mx.array, blocks: mx.array, f: int,
+                          config: StreamConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
+    """CUDA stream kernel for the fused Q4_0 expert gate/up: x [M, K] bf16 -> gelu(g) * u [M, k, F]."""
+    _need_bf16(x)
+    m, slots = ids.shape
+    plan = plan_stream("gate_up", m, f, x.shape[-1], slots, config=config)
+    return _run(_stream_def("gate_up"), [x, ids, blocks], plan, x.dtype, init_value)
+
+
+# --------------------------------------------------------------------------------------------
 # Dispatch (public API)
 # --------------------------------------------------------------------------------------------
 
@@ -1073,12 +1394,45 @@ def _mma_cases(rng: np.random.Generator):
             _mma_case(rng, 5, 33, 160, MmaConfig(4, 1))]  # fmt: skip
 
 
+def _stream_case(rng, kind, m, n, k, slots, experts, x_per_pair, config):
+    """A bf16 case of a stream kernel: dense (the mma case's numbers) or gathered (the FMA's)."""
+    if kind == "dense":
+        case = _mma_case(rng, m, n, k, None)
+        plan = plan_stream("dense", m, n, k, config=config)
+    else:
+        case = _gather_case(rng, Q4_0, kind, "bfloat16", m, slots, experts, n, k, x_per_pair, KernelConfig())
+        plan = plan_stream(kind, m, n, k, slots, x_per_pair, config)
+    return dataclasses.replace(case, template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
+                             label=f"{kind} M={m} N={n} K={k} CH={stream_copy_width(row_bytes(Q4_0, k))} {config}")
+
+
+def _stream_cases(kind: str):
+    """Odd N, every copy width (K = 1024: 16-byte, 384: 8-byte, 704 and 320: 4-byte copies), a
+    partial last group of 8 blocks, M = 1..8, tiles/warps/stages variants."""
+
+    def make(rng: np.random.Generator):
+        s = StreamConfig
+        if kind == "dense":
+            return [_stream_case(rng, kind, 1, 37, 1024, 1, 0, False, s(1, 2, 2)),
+                    _stream_case(rng, kind, 8, 70, 704, 1, 0, False, s(2, 2, 3)),
+                    _stream_case(rng, kind, 3, 33, 384, 1, 0, False, s(1, 4, 4))]  # fmt: skip
+        return [_stream_case(rng, kind, 1, 19, 1024, 4, 6, False, s(1, 2, 3)),
+                _stream_case(rng, kind, 2, 21, 320, 2, 5, kind == "gather", s(2, 1, 2)),
+                _stream_case(rng, kind, 1, 9, 704, 3, 4, kind == "gather", s(1, 4, 4))]  # fmt: skip
+
+    return make
+
+
 def kernel_specs():
     """KernelSpec of every kernel in this module, with small test cases (odd tails included)."""
     from .registry import KernelSpec
 
     specs = [KernelSpec(_MMA_DEF.name, _MMA_DEF.input_names, _MMA_DEF.output_names, "", "",
                         *_MMA_DEF.text["cuda"], _mma_cases)]  # CUDA only: no Metal text
+    for kind in _STREAM_KINDS:  # CUDA only: no Metal text
+        sdef = _stream_def(kind)
+        specs.append(KernelSpec(sdef.name, sdef.input_names, sdef.output_names, "", "", *sdef.text["cuda"],
+                                _stream_cases(kind)))  # fmt: skip
     for ggml_type, kind in _ALL_KERNELS:
         kdef = _kernel_def(ggml_type, kind)
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]

@@ -170,3 +170,70 @@ def test_q4_0_mma_kernel():
                 # f32 accumulation of exact products: agrees with the f32 FMA kernel to f32 rounding
                 fma = qm.launch_dense(x, blocks, qm.Q4_0, n).astype(mx.float32)
                 assert mx.allclose(out.astype(mx.float32), fma, rtol=2**-7, atol=1e-6 * float(bound.max())).item()
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA stream kernels (cp.async + tensor cores)")
+def test_q4_0_stream_dense_kernel():
+    """The CUDA stream Q4_0 kernel (bf16): M = 1..8, odd N, 16/8/4-byte copies (K = 5376, 384,
+    704: the last has a partial group of 8 blocks), other geometries, and a weight view whose base
+    is not 16-byte aligned (2-byte copy fallback); agrees with the f32-FMA kernel."""
+    rng = np.random.default_rng(17)
+    for n, k in ((1001, 5376), (70, 704), (37, 384)):
+        raw = qm.random_blocks(rng, qm.Q4_0, (n,), k)
+        w64 = qm.dequantize_f64(raw, qm.Q4_0)
+        blocks = mx.array(raw)
+        for m in range(1, 9):
+            x, x64 = _acts(rng, (m, k), mx.bfloat16)
+            want, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+            cfgs = (None, qm.StreamConfig(2, 2, 3), qm.StreamConfig(1, 1, 2)) if m in (1, 8) else (None,)
+            for cfg in cfgs:
+                out = qm.launch_dense_stream(x, blocks, n, config=cfg, init_value=NAN)
+                assert out.shape == (m, n) and out.dtype == mx.bfloat16
+                _check(out, want, bound, mx.bfloat16, f"q4_0 stream M={m} N={n} K={k} {cfg}")
+            fma = qm.launch_dense(x, blocks, qm.Q4_0, n).astype(mx.float32)
+            assert mx.allclose(out.astype(mx.float32), fma, rtol=2**-7, atol=1e-6 * float(bound.max())).item()
+    # a view 2 bytes into a flat buffer: the kernel sees a pointer that is only 2-byte aligned
+    n, k = 45, 1024
+    raw = qm.random_blocks(rng, qm.Q4_0, (n,), k)
+    flat = mx.array(np.concatenate([np.zeros(2, np.uint8), raw.reshape(-1)]))
+    view = flat[2:].reshape(n, -1)
+    w64 = qm.dequantize_f64(raw, qm.Q4_0)
+    x, x64 = _acts(rng, (1, k), mx.bfloat16)
+    out = qm.launch_dense_stream(x, view, n, init_value=NAN)
+    _check(out, x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, mx.bfloat16, "q4_0 stream, unaligned view")
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA stream kernels (cp.async + tensor cores)")
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_q4_0_stream_expert_kernels(per_slot):
+    """Stream gather (26B-A4B down: K = 704, 4-byte copies) and fused gate/up (K = 2816, 16-byte
+    copies) vs float64, M = 1..3 tokens x 8 slots, an odd tail, an invalid expert id -> NaN."""
+    rng = np.random.default_rng(18)
+    experts, slots = 16, 8
+    for n, k in ((2816, 704), (1408, 2816), (37, 320)):
+        raw = qm.random_blocks(rng, qm.Q4_0, (experts, n), k)
+        w64 = qm.dequantize_f64(raw, qm.Q4_0)
+        blocks = mx.array(raw)
+        for m in (1, 3):
+            ids = np.stack([rng.permutation(experts)[:slots] for _ in range(m)]).astype(np.int32)
+            x, x64 = _acts(rng, (m, slots, k) if per_slot else (m, k), mx.bfloat16)
+            want, bound = _expert_products(w64, x64.reshape(-1, k), ids, per_slot)
+            out = qm.launch_gather_stream(x, mx.array(ids), blocks, n, init_value=NAN)
+            assert out.shape == (m, slots, n) and out.dtype == mx.bfloat16
+            _check(out, want, bound, mx.bfloat16, f"q4_0 stream gather M={m} N={n} K={k}")
+            if per_slot or n % 2:
+                continue
+            f = n // 2
+            g, u, mg, mu = want[..., :f], want[..., f:], bound[..., :f], bound[..., f:]
+            gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+            for cfg in (None, qm.StreamConfig(2, 2, 3)):
+                out = qm.launch_gate_up_stream(x, mx.array(ids), blocks, f, config=cfg, init_value=NAN)
+                assert out.shape == (m, slots, f)
+                _check(out, gelu * u, (np.abs(g) + mg) * (np.abs(u) + mu), mx.bfloat16, f"stream gate_up M={m} F={f} {cfg}")
+    ids = mx.array(np.array([[1, 99, -1]], dtype=np.int32))
+    x = mx.array(rng.standard_normal((1, 704)).astype(np.float32)).astype(mx.bfloat16)
+    stack = mx.array(qm.random_blocks(rng, qm.Q4_0, (4, 40), 704))
+    out = np.array(qm.launch_gather_stream(x, ids, stack, 40, init_value=0.0).astype(mx.float32))
+    assert np.isfinite(out[0, 0]).all() and np.isnan(out[0, 1:]).all()
+    out = np.array(qm.launch_gate_up_stream(x, ids, stack, 20, init_value=0.0).astype(mx.float32))
+    assert np.isfinite(out[0, 0]).all() and np.isnan(out[0, 1:]).all()
