@@ -291,6 +291,19 @@ def expert_case(model, ex, h, dtype, quick, on_gpu, stream_configs=None, with_ml
                 return qm.launch_gather_stream(a, ids[i], dn, h, config=cfg)
 
             variants.append(("q4_0_gate_up+gather_stream", streamed, cfg))
+        if not stream_configs:  # the model's whole expert step: + the router-weighted sum over slots
+            wts = mx.full((1, top_k), 1.0 / top_k)
+
+            def old_summed(i):
+                out = ours(i).astype(mx.float32) * wts[..., None]
+                return out.sum(axis=1).astype(dtype)
+
+            def fused(i):
+                gu, dn = layers[i]
+                a = qm.launch_gate_up_stream(x, ids[i], gu, f)
+                return qm.launch_down_sum_stream(a, ids[i], wts, dn, h)
+
+            variants += [("q4_0_gate_up+gather+wsum (mlx)", old_summed, None), ("q4_0_gate_up+down_sum_stream", fused, None)]
     for impl, fn, cfg in variants:
         calls = [lambda i=i, fn=fn: fn(i) for i in range(sets)]
         sec = time_rotating(calls, quick)
@@ -358,12 +371,12 @@ def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
     shapes = QUICK["tiny"]["proj"] if args.quick else [("ffn_gate/up", 21504, 5376), ("ffn_down", 5376, 21504),
                                                         ("attn_q(s)", 8192, 5376)]  # fmt: skip
     model = "tiny" if args.quick else "31B"
-    for name, n, k in shapes:
+    for name, n, k in [] if args.experts_only else shapes:
         add(dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, args.quick, on_gpu, with_qmm=False), rows)
     ex_model = "tiny" if args.quick else "26B-A4B"
     spec = QUICK["tiny"] if args.quick else MODELS["26B-A4B"]
     add(expert_case(ex_model, spec["experts"], spec["H"], dtype, args.quick, on_gpu, with_mlx=False), rows)
-    if not on_gpu or custom_kernels.backend() != "cuda":
+    if not on_gpu or custom_kernels.backend() != "cuda" or args.experts_only:
         return
     name, n, k = shapes[0]
     for t, w, st in STREAM_SWEEP:
@@ -415,6 +428,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--sweep", action="store_true", help="also time launch geometries on key shapes")
     ap.add_argument("--no-qmm", action="store_true", help="skip the mx.quantized_matmul comparison")
+    ap.add_argument("--experts-only", action="store_true", help="with --focus: only the overhead probe and the "
+                    "expert path (e.g. to rerun it under other MLX_* graph settings)")  # fmt: skip
     ap.add_argument("--focus", action="store_true", help="only the issue-4 targets (31B FFN, 26B-A4B experts), "
                     "the per-op overhead probe and a sweep of the CUDA stream kernels' geometry")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/kernels-<backend>-<date>.json)")

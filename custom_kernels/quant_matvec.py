@@ -72,6 +72,8 @@ __all__ = [
     "matvec_reference",
     "matvec_gather_reference",
     "gate_up_gather_reference",
+    "moe_down_reference",
+    "q4_0_moe_down",
     "gelu_tanh",
     "KernelConfig",
     "kernel_specs",
@@ -225,6 +227,17 @@ def gate_up_gather_reference(
         raise ValueError("gate_up: x must be [M, K] (every slot reads its token's row)")
     gu = _expert_products(x, ids, blocks, ggml_type, k)
     return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
+
+
+def moe_down_reference(x: mx.array, ids: mx.array, weights: mx.array, blocks: mx.array, ggml_type: int,
+                       n: int) -> mx.array:  # fmt: skip
+    """Reference for the fused MoE down projection: sum_s weights[m, s] * W[ids[m, s]] @ x[m, s] in
+    f32 -> [M, N], x.dtype. x [M, k, K], ids int32 [M, k], weights [M, k]."""
+    k = _check_gather(x, ids, blocks, ggml_type, n)
+    if x.ndim != 3 or weights.shape != ids.shape:
+        raise ValueError(f"moe_down: x must be [M, k, K] and weights [M, k]; got {x.shape}, {weights.shape}")
+    prod = _expert_products(x, ids, blocks, ggml_type, k)  # [M, k, N] f32
+    return (prod * weights.astype(mx.float32)[..., None]).sum(axis=1).astype(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -901,7 +914,7 @@ __device__ __forceinline__ uint32_t g4_q4w_hi_odd(uint32_t u) { return g4_q4_bf1
 # bytes), XPP (gather: 1 = x holds one row per (token, slot)). @KIND@: 0 dense, 1 gather, 2 gate_up.
 _STREAM_BODY_CUDA = r"""
   // gemma4-mlx q4_0 stream kernel (CUDA: cp.async staging, tensor cores, bf16 activations)
-  constexpr int KIND = @KIND@;
+  constexpr int KIND = @KIND@;     // 0 dense, 1 gather, 2 gate_up, 3 down_sum
   constexpr int RT = 16 * TILES;   // staged weight rows per warp
   constexpr int RW = 36;           // words per staged row: 8 blocks = 144 bytes
   constexpr int SLOT = RT * RW;    // words per stage
@@ -915,7 +928,11 @@ _STREAM_BODY_CUDA = r"""
   const int K = x_shape[1];
   const int nblocks = K / 32;
   const int ngroups = (nblocks + 7) / 8;
-  const int unit = (int)blockIdx.x * NW + warp;  // this warp's tile group
+  // unit: this warp's tile group (down_sum: the block's; its warps take different slots)
+  const int unit = KIND == 3 ? (int)blockIdx.x : (int)blockIdx.x * NW + warp;
+  int pair = 0, xrow = 0;
+  bool live = true;
+  const uint8_t* wmat = wq;
 @SETUP@
   const int F = N / 2;  // gate_up: rows 0..F-1 gate, F..2F-1 up
   // staged row r (tile r / 16, fragment row r % 16) -> weight row; false past the end
@@ -928,7 +945,11 @@ _STREAM_BODY_CUDA = r"""
     wr = unit * RT + r;
     return live && wr < N;
   };
-  const bool aligned = ((reinterpret_cast<uintptr_t>(wmat) | (uintptr_t)row_bytes) & (uintptr_t)(CH - 1)) == 0;
+  {
+    const int first = KIND == 2 ? unit * 8 * TILES : unit * RT;
+    if (first >= (KIND == 2 ? F : N)) return;  // a whole warp (down_sum: block) past the last row
+  }
+  bool aligned = true;
   auto copy_group = [&](int grp, int slot, int rc) {  // rc = copies per row (of CH bytes)
     for (int c = lane; c < RT * rc; c += 32) {
       const int r = c / rc;
@@ -963,74 +984,103 @@ _STREAM_BODY_CUDA = r"""
       }
     }
   };
-  {
-    int wr;
-    bool any = false;
-    for (int r = 0; r < RT; r += 8) any = any || weight_row(r, wr);
-    if (live && !any) return;  // a whole warp past the last row
-  }
-  const __nv_bfloat16* xr = x + (size_t)xrow * K + 4 * t;
   float acc[TILES][4];
-  _Pragma("unroll") for (int i = 0; i < TILES; ++i) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
-  _Pragma("unroll") for (int s = 0; s < ST - 1; ++s) { issue(s); g4_cp_async_commit(); }
-  for (int grp = 0; grp < ngroups; ++grp) {
-    issue(grp + ST - 1);
-    g4_cp_async_commit();
-    g4_cp_async_wait<ST - 1>();  // group grp has landed (this lane's copies) ...
-    __syncwarp();                // ... and every lane's
-    const uint32_t* S = stage + (grp % ST) * SLOT;
-    const unsigned short* S16 = reinterpret_cast<const unsigned short*>(S);
-    const int nvalid = min(8, nblocks - 8 * grp);
-    _Pragma("unroll 2") for (int bl = 0; bl < nvalid; ++bl) {
-      const int kb = (8 * grp + bl) * 32;
-      const uint2 xa = __ldg(reinterpret_cast<const uint2*>(xr + kb));       // x[4t .. 4t+3]
-      const uint2 xc = __ldg(reinterpret_cast<const uint2*>(xr + kb + 16));  // x[16+4t ..]
-      const uint32_t b00 = __byte_perm(xa.x, xa.y, 0x5410), b01 = __byte_perm(xa.x, xa.y, 0x7632);
-      const uint32_t b10 = __byte_perm(xc.x, xc.y, 0x5410), b11 = __byte_perm(xc.x, xc.y, 0x7632);
-      _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
-        uint32_t u[2];
-        float d[2];
-        _Pragma("unroll") for (int h = 0; h < 2; ++h) {
-          const int o = (16 * i + 8 * h + g) * 144 + 18 * bl;  // block start in the stage
-          d[h] = g4_half_bits(S16[o >> 1]);
-          const int ob = o + 2 + 4 * t;                         // qs[4t .. 4t+3], 2-byte aligned
-          u[h] = __funnelshift_r(S[ob >> 2], S[(ob >> 2) + 1], (ob & 3) * 8);
-        }
-        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        g4_mma_bf16(part, g4_q4w_lo_even(u[0]), g4_q4w_lo_even(u[1]), g4_q4w_lo_odd(u[0]), g4_q4w_lo_odd(u[1]), b00, b01);
-        g4_mma_bf16(part, g4_q4w_hi_even(u[0]), g4_q4w_hi_even(u[1]), g4_q4w_hi_odd(u[0]), g4_q4w_hi_odd(u[1]), b10, b11);
-        acc[i][0] += d[0] * part[0];
-        acc[i][1] += d[0] * part[1];
-        acc[i][2] += d[1] * part[2];
-        acc[i][3] += d[1] * part[3];
-      }
-    }
-    __syncwarp();  // the slot is refilled by a later issue
+  float total[TILES][4];
+  _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
+    _Pragma("unroll") for (int c = 0; c < 4; ++c) total[i][c] = 0.0f;
   }
-@STORE@"""
+@SLOT_LOOP@ {
+@SLOT_BEGIN@
+    aligned = ((reinterpret_cast<uintptr_t>(wmat) | (uintptr_t)row_bytes) & (uintptr_t)(CH - 1)) == 0;
+    const __nv_bfloat16* xr = x + (size_t)xrow * K + 4 * t;
+    _Pragma("unroll") for (int i = 0; i < TILES; ++i) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
+    _Pragma("unroll") for (int s = 0; s < ST - 1; ++s) { issue(s); g4_cp_async_commit(); }
+    for (int grp = 0; grp < ngroups; ++grp) {
+      issue(grp + ST - 1);
+      g4_cp_async_commit();
+      g4_cp_async_wait<ST - 1>();  // group grp has landed (this lane's copies) ...
+      __syncwarp();                // ... and every lane's
+      const uint32_t* S = stage + (grp % ST) * SLOT;
+      const unsigned short* S16 = reinterpret_cast<const unsigned short*>(S);
+      const int nvalid = min(8, nblocks - 8 * grp);
+      _Pragma("unroll 2") for (int bl = 0; bl < nvalid; ++bl) {
+        const int kb = (8 * grp + bl) * 32;
+        const uint2 xa = __ldg(reinterpret_cast<const uint2*>(xr + kb));       // x[4t .. 4t+3]
+        const uint2 xc = __ldg(reinterpret_cast<const uint2*>(xr + kb + 16));  // x[16+4t ..]
+        const uint32_t b00 = __byte_perm(xa.x, xa.y, 0x5410), b01 = __byte_perm(xa.x, xa.y, 0x7632);
+        const uint32_t b10 = __byte_perm(xc.x, xc.y, 0x5410), b11 = __byte_perm(xc.x, xc.y, 0x7632);
+        _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
+          uint32_t u[2];
+          float d[2];
+          _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+            const int o = (16 * i + 8 * h + g) * 144 + 18 * bl;  // block start in the stage
+            d[h] = g4_half_bits(S16[o >> 1]);
+            const int ob = o + 2 + 4 * t;                         // qs[4t .. 4t+3], 2-byte aligned
+            u[h] = __funnelshift_r(S[ob >> 2], S[(ob >> 2) + 1], (ob & 3) * 8);
+          }
+          float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          g4_mma_bf16(part, g4_q4w_lo_even(u[0]), g4_q4w_lo_even(u[1]), g4_q4w_lo_odd(u[0]), g4_q4w_lo_odd(u[1]), b00, b01);
+          g4_mma_bf16(part, g4_q4w_hi_even(u[0]), g4_q4w_hi_even(u[1]), g4_q4w_hi_odd(u[0]), g4_q4w_hi_odd(u[1]), b10, b11);
+          acc[i][0] += d[0] * part[0];
+          acc[i][1] += d[0] * part[1];
+          acc[i][2] += d[1] * part[2];
+          acc[i][3] += d[1] * part[3];
+        }
+      }
+      __syncwarp();  // the slot is refilled by a later issue
+    }
+@SLOT_END@
+  }
+@STORE@
+"""
 
 
+_ONE_JOB = "  for (int job = 0; job < 1; ++job)"
 _STREAM_SETUP = {
     "dense": """
   const int N = wq_shape[0];
   const int row_bytes = wq_shape[1];
-  const int pair = 0;
-  const bool live = true;
-  const uint8_t* wmat = wq;
-  const int xrow = g < M ? g : 0;  // B column g = token g (columns >= M are discarded)
+  xrow = g < M ? g : 0;  // B column g = token g (columns >= M are discarded)
 """,
     "gather": """
   const int n_experts = wq_shape[0];
   const int N = wq_shape[1];
   const int row_bytes = wq_shape[2];
-  const int pair = (int)blockIdx.y;
-  const int expert = ids[pair];
-  const bool live = expert >= 0 && expert < n_experts;
-  const uint8_t* wmat = wq + (size_t)(live ? expert : 0) * N * row_bytes;
-  const int xrow = XPP ? pair : pair / ids_shape[1];
+  pair = (int)blockIdx.y;
+  {
+    const int expert = ids[pair];
+    live = expert >= 0 && expert < n_experts;
+    wmat = wq + (size_t)(live ? expert : 0) * N * row_bytes;
+  }
+  xrow = XPP ? pair : pair / ids_shape[1];
+""",
+    "down_sum": """
+  const int n_experts = wq_shape[0];
+  const int N = wq_shape[1];
+  const int row_bytes = wq_shape[2];
+  const int slots = ids_shape[1];
+  const int token = (int)blockIdx.y;
 """,
 }
 _STREAM_SETUP["gate_up"] = _STREAM_SETUP["gather"].replace("XPP ? pair : pair / ids_shape[1]", "pair / ids_shape[1]")
+
+# down_sum: warp w takes slots w, w + NW, ... of its token; each slot's expert is a new pipeline
+_STREAM_SLOTS = {
+    "down_sum": ("  for (int sl = warp; sl < slots; sl += NW)", """
+    pair = token * slots + sl;
+    const int expert = ids[pair];
+    live = expert >= 0 && expert < n_experts;
+    wmat = wq + (size_t)(live ? expert : 0) * N * row_bytes;
+    xrow = pair;""", """
+    const float wt = live ? wts[pair] : g4_nan();
+    _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
+      _Pragma("unroll") for (int c = 0; c < 4; ++c) total[i][c] += wt * acc[i][c];
+    }"""),
+}
+_ONE_PASS = (_ONE_JOB, "", """
+    _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
+      _Pragma("unroll") for (int c = 0; c < 4; ++c) total[i][c] = acc[i][c];
+    }""")
 
 _STREAM_STORE = {
     "dense": """
@@ -1038,7 +1088,7 @@ _STREAM_STORE = {
     _Pragma("unroll") for (int c = 0; c < 4; ++c) {
       const int row = unit * RT + 16 * i + g + 8 * (c >> 1);
       const int m = 2 * t + (c & 1);
-      if (m < M && row < N) out[(size_t)m * N + row] = static_cast<T>(acc[i][c]);
+      if (m < M && row < N) out[(size_t)m * N + row] = static_cast<T>(total[i][c]);
     }
   }
 """,
@@ -1046,7 +1096,7 @@ _STREAM_STORE = {
   _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
     _Pragma("unroll") for (int h = 0; h < 2; ++h) {
       const int row = unit * RT + 16 * i + 8 * h + g;
-      if (t == 0 && row < N) out[(size_t)pair * N + row] = static_cast<T>(live ? acc[i][2 * h] : g4_nan());
+      if (t == 0 && row < N) out[(size_t)pair * N + row] = static_cast<T>(live ? total[i][2 * h] : g4_nan());
     }
   }
 """,
@@ -1054,7 +1104,27 @@ _STREAM_STORE = {
   _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
     const int f = unit * 8 * TILES + 8 * i + g;
     if (t == 0 && f < F) {
-      out[(size_t)pair * F + f] = static_cast<T>(live ? g4_gelu_tanh(acc[i][0]) * acc[i][2] : g4_nan());
+      out[(size_t)pair * F + f] = static_cast<T>(live ? g4_gelu_tanh(total[i][0]) * total[i][2] : g4_nan());
+    }
+  }
+""",
+    "down_sum": """
+  __shared__ float g4_red[NW][TILES][16];  // each warp's weighted sum over its slots, column 0
+  if (t == 0) {
+    _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
+      g4_red[warp][i][g] = total[i][0];
+      g4_red[warp][i][8 + g] = total[i][2];
+    }
+  }
+  __syncthreads();
+  if (warp == 0 && t == 0) {
+    _Pragma("unroll") for (int i = 0; i < TILES; ++i) {
+      _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+        const int row = unit * RT + 16 * i + 8 * h + g;
+        float s = 0.0f;
+        for (int w = 0; w < NW; ++w) s += g4_red[w][i][8 * h + g];  // slots in a fixed order
+        if (row < N) out[(size_t)token * N + row] = static_cast<T>(s);
+      }
     }
   }
 """,
@@ -1089,27 +1159,34 @@ def stream_copy_width(row_bytes: int) -> int:
     return 0
 
 
-_STREAM_KINDS = {"dense": 0, "gather": 1, "gate_up": 2}
+_STREAM_KINDS = {"dense": 0, "gather": 1, "gate_up": 2, "down_sum": 3}
 
 
 def _stream_def(kind: str) -> _KernelDef:
     key = (Q4_0, "stream_" + kind)
     if key not in _KERNEL_DEFS:
         name = {"dense": "g4_q4_0_matvec_stream", "gather": "g4_q4_0_matvec_gather_stream",
-                "gate_up": "g4_q4_0_gate_up_gather_stream"}[kind]  # fmt: skip
-        inputs = ("x", "wq") if kind == "dense" else ("x", "ids", "wq")
+                "gate_up": "g4_q4_0_gate_up_gather_stream", "down_sum": "g4_q4_0_down_sum_gather_stream"}[kind]
+        inputs = {"dense": ("x", "wq"), "down_sum": ("x", "ids", "wts", "wq")}.get(kind, ("x", "ids", "wq"))
         tmpl = ("T",) + (("M",) if kind == "dense" else ()) + ("TILES", "NW", "ST", "CH")
         tmpl += ("XPP",) if kind == "gather" else ()
-        body = (_STREAM_BODY_CUDA.replace("@KIND@", str(_STREAM_KINDS[kind]))
-                .replace("@SETUP@", _STREAM_SETUP[kind].strip("\n")).replace("@STORE@", _STREAM_STORE[kind].strip("\n")))
+        loop, begin, end = _STREAM_SLOTS.get(kind, _ONE_PASS)
+        body = _STREAM_BODY_CUDA.replace("@KIND@", str(_STREAM_KINDS[kind]))
+        for key, text in (("@SETUP@", _STREAM_SETUP[kind]), ("@SLOT_LOOP@", loop), ("@SLOT_BEGIN@", begin),
+                          ("@SLOT_END@", end), ("@STORE@", _STREAM_STORE[kind])):  # fmt: skip
+            body = body.replace(key, text.strip("\n"))
         header = prelude("cuda") + _MMA_HEADER_CUDA + _STREAM_HEADER_CUDA
         _KERNEL_DEFS[key] = _KernelDef(name, kind, Q4_0, inputs, ("out",), tmpl,
                                        {"metal": ("", ""), "cuda": (header, body)})  # fmt: skip
     return _KERNEL_DEFS[key]
 
 
-def default_stream_config(kind: str, m: int, n: int, k: int, pairs: int = 1) -> StreamConfig:
-    """One 16-row tile per warp, 4 warps, 4 stages (a starting point; bench/kernels.py --sweep)."""
+def default_stream_config(kind: str, m: int, n: int, k: int, pairs: int = 1, slots: int = 8) -> StreamConfig:
+    """One 16-row tile per warp, 4 warps, 4 stages (a starting point; bench/kernels.py --focus);
+    down_sum: a warp per slot (up to 8), 2 stages (static shared memory)."""
+    if kind == "down_sum":
+        warps = 1 << max(0, math.ceil(math.log2(max(1, min(slots, 8)))))
+        return StreamConfig(1, warps, 2)
     return StreamConfig(1, 4, 4)
 
 
@@ -1121,8 +1198,8 @@ def stream_supported(x_dtype: mx.Dtype, k: int) -> bool:
 def plan_stream(kind: str, m: int, n: int, k: int, slots: int = 1, x_per_pair: bool = False,
                 config: StreamConfig | None = None) -> LaunchPlan:  # fmt: skip
     """Launch plan of a CUDA stream kernel; ``n`` is N (dense/gather) or F (gate_up)."""
-    pairs = m * slots if kind != "dense" else 1
-    cfg = config or default_stream_config(kind, m, n, k, pairs)
+    pairs = m if kind == "down_sum" else m * slots if kind != "dense" else 1
+    cfg = config or default_stream_config(kind, m, n, k, pairs, slots)
     ch = stream_copy_width(row_bytes(Q4_0, k))
     if not ch:
         raise ValueError(f"stream kernels: K={k} gives rows of an odd number of blocks")
@@ -1130,11 +1207,21 @@ def plan_stream(kind: str, m: int, n: int, k: int, slots: int = 1, x_per_pair: b
     template += [("TILES", cfg.tiles), ("NW", cfg.warps), ("ST", cfg.stages), ("CH", ch)]
     if kind == "gather":
         template.append(("XPP", int(bool(x_per_pair))))
-    rows_per_block = (8 if kind == "gate_up" else 16) * cfg.tiles * cfg.warps
+    rows_per_block = (8 if kind == "gate_up" else 16) * cfg.tiles * (1 if kind == "down_sum" else cfg.warps)
     threads = 32 * cfg.warps
     grid = (math.ceil(n / rows_per_block) * threads, pairs, 1)
-    out_shape = (m, n) if kind == "dense" else (m, slots, n)
+    out_shape = (m, n) if kind in ("dense", "down_sum") else (m, slots, n)
     return LaunchPlan(template, grid, (threads, 1, 1), out_shape)
+
+
+STREAM_KERNELS = False
+"""Whether dispatch sends Q4_0 with bf16 activations to the CUDA stream kernels (M = 1..8, dense,
+gathered, fused gate/up, fused down + weighted sum). Set after they passed ``pytest -m gpu`` on the
+H200 and measured faster in bench/kernels.py (bench/NOTES.md)."""
+
+
+def _use_stream(x_dtype: mx.Dtype, k: int) -> bool:
+    return STREAM_KERNELS and backend() == "cuda" and stream_supported(x_dtype, k)
 
 
 def _need_bf16(x: mx.array) -> None:
@@ -1163,6 +1250,19 @@ def launch_gather_stream(x: mx.array, ids: mx.array, blocks: mx.array, n: int,
     return _run(_stream_def("gather"), [x2, ids, blocks], plan, x.dtype, init_value)
 
 
+def launch_down_sum_stream(x: mx.array, ids: mx.array, weights: mx.array, blocks: mx.array, n: int,
+                           config: StreamConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
+    """CUDA stream kernel, fused MoE down projection and weighted sum over the slots: x [M, k, K]
+    bf16, ids int32 [M, k], weights [M, k] (f32) -> sum_s weights[m, s] * W[ids[m, s]] @ x[m, s],
+    [M, N] bf16 (f32 sums, one rounding)."""
+    _need_bf16(x)
+    m, slots = ids.shape
+    k = x.shape[-1]
+    plan = plan_stream("down_sum", m, n, k, slots, True, config)
+    return _run(_stream_def("down_sum"), [x.reshape(m * slots, k), ids, weights.astype(mx.float32), blocks], plan,
+                x.dtype, init_value)  # fmt: skip
+
+
 def launch_gate_up_stream(x: mx.array, ids: mx.array, blocks: mx.array, f: int,
                           config: StreamConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
     """CUDA stream kernel for the fused Q4_0 expert gate/up: x [M, K] bf16 -> gelu(g) * u [M, k, F]."""
@@ -1188,7 +1288,9 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     if use_reference() or not 1 <= m <= MAX_ROWS:
         return matvec_reference(x, blocks, ggml_type, n)
     x2 = x.reshape(m, x.shape[-1])
-    if ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
+    if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1]):
+        out = launch_dense_stream(x2, blocks, n)
+    elif ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
         out = launch_dense_mma(x2, blocks, n)
     else:
         out = launch_dense(x2, blocks, ggml_type, n)
@@ -1214,6 +1316,8 @@ def _gather(x, ids, blocks, ggml_type, n):
     _check_gather(x, ids, blocks, ggml_type, n)
     if use_reference() or not 1 <= ids.shape[0] <= MAX_ROWS:
         return matvec_gather_reference(x, ids, blocks, ggml_type, n)
+    if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1]):
+        return launch_gather_stream(x, ids, blocks, n)
     return launch_gather(x, ids, blocks, ggml_type, n)
 
 
@@ -1233,6 +1337,8 @@ def _gate_up(x, ids, blocks, ggml_type, f):
         raise ValueError("gate_up: x must be [M, K]")
     if use_reference() or not 1 <= ids.shape[0] <= MAX_ROWS:
         return gate_up_gather_reference(x, ids, blocks, ggml_type, f)
+    if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1]):
+        return launch_gate_up_stream(x, ids, blocks, f)
     return launch_gate_up(x, ids, blocks, ggml_type, f)
 
 
@@ -1245,6 +1351,22 @@ def q4_0_gate_up_gather(x: mx.array, ids: mx.array, blocks: mx.array, f: int) ->
 def q8_0_gate_up_gather(x: mx.array, ids: mx.array, blocks: mx.array, f: int) -> mx.array:
     """Fused expert gate/up on Q8_0 blocks [E, 2F, K // 32 * 34] -> [M, k, F], x.dtype."""
     return _gate_up(x, ids, blocks, Q8_0, f)
+
+
+def q4_0_moe_down(x: mx.array, ids: mx.array, weights: mx.array, blocks: mx.array, n: int) -> mx.array:
+    """MoE down projection fused with the router-weighted sum over the k slots: x [M, k, K] (one row
+    per slot, e.g. gelu(gate) * up), ids int32 [M, k], weights [M, k], Q4_0 blocks [E, N, K // 32 * 18]
+    -> sum_s weights[m, s] * W[ids[m, s]] @ x[m, s], [M, N] in x.dtype (f32 sums, one rounding).
+    One launch on CUDA (stream kernel, bf16); elsewhere the gathered kernel then the weighted sum."""
+    _check_gather(x, ids, blocks, Q4_0, n)
+    if x.ndim != 3 or weights.shape != ids.shape:
+        raise ValueError(f"moe_down: x must be [M, k, K] and weights [M, k]; got {x.shape}, {weights.shape}")
+    if use_reference() or not 1 <= ids.shape[0] <= MAX_ROWS:
+        return moe_down_reference(x, ids, weights, blocks, Q4_0, n)
+    if _use_stream(x.dtype, x.shape[-1]):
+        return launch_down_sum_stream(x, ids, weights, blocks, n)
+    per_slot = launch_gather(x, ids, blocks, Q4_0, n).astype(mx.float32)
+    return (per_slot * weights.astype(mx.float32)[..., None]).sum(axis=1).astype(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1406,12 +1528,36 @@ def _stream_case(rng, kind, m, n, k, slots, experts, x_per_pair, config):
                              label=f"{kind} M={m} N={n} K={k} CH={stream_copy_width(row_bytes(Q4_0, k))} {config}")
 
 
+def _down_sum_case(rng, m, slots, experts, n, k, config):
+    from .registry import KernelCase
+
+    x, x64, in_dt = _activations(rng, (m * slots, k), "bfloat16")
+    ids = np.stack([rng.permutation(experts)[:slots] for _ in range(m)]).astype(np.int32)
+    wts = rng.random((m, slots)).astype(np.float32)
+    wq = random_blocks(rng, Q4_0, (experts, n), k)
+    w64 = dequantize_f64(wq, Q4_0)[ids]  # [M, k, N, K]
+    xs = x64.reshape(m, slots, k)
+    expected = np.einsum("ms,msnk,msk->mn", wts.astype(np.float64), w64, xs)
+    scale = float(np.einsum("ms,msnk,msk->mn", wts.astype(np.float64), np.abs(w64), np.abs(xs)).max())
+    rtol, atol = _tolerances("bfloat16", scale)
+    plan = plan_stream("down_sum", m, n, k, slots, True, config)
+    return KernelCase(
+        inputs={"x": x, "ids": ids, "wts": wts, "wq": wq}, template=plan.template, grid=plan.grid,
+        threadgroup=plan.threadgroup, output_shapes=[plan.output_shape], output_dtypes=["bfloat16"],
+        expected=[expected], rtol=rtol, atol=atol, input_dtypes=in_dt,
+        label=f"down_sum M={m} k={slots} E={experts} N={n} K={k} {config}",
+    )  # fmt: skip
+
+
 def _stream_cases(kind: str):
     """Odd N, every copy width (K = 1024: 16-byte, 384: 8-byte, 704 and 320: 4-byte copies), a
     partial last group of 8 blocks, M = 1..8, tiles/warps/stages variants."""
 
     def make(rng: np.random.Generator):
         s = StreamConfig
+        if kind == "down_sum":
+            return [_down_sum_case(rng, 1, 8, 10, 37, 704, s(1, 8, 2)),
+                    _down_sum_case(rng, 2, 3, 5, 21, 1024, s(2, 2, 3))]  # fmt: skip
         if kind == "dense":
             return [_stream_case(rng, kind, 1, 37, 1024, 1, 0, False, s(1, 2, 2)),
                     _stream_case(rng, kind, 8, 70, 704, 1, 0, False, s(2, 2, 3)),

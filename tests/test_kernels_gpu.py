@@ -237,3 +237,58 @@ def test_q4_0_stream_expert_kernels(per_slot):
     assert np.isfinite(out[0, 0]).all() and np.isnan(out[0, 1:]).all()
     out = np.array(qm.launch_gate_up_stream(x, ids, stack, 20, init_value=0.0).astype(mx.float32))
     assert np.isfinite(out[0, 0]).all() and np.isnan(out[0, 1:]).all()
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA stream kernels (cp.async + tensor cores)")
+def test_q4_0_stream_down_sum_kernel():
+    """Fused MoE down projection + router-weighted slot sum (26B-A4B: K = 704, N = 2816, 8 of 16
+    experts), M = 1..3 tokens, other geometries, odd N; an invalid expert makes its token NaN."""
+    rng = np.random.default_rng(20)
+    experts, slots = 16, 8
+    for n, k in ((2816, 704), (37, 1024)):
+        raw = qm.random_blocks(rng, qm.Q4_0, (experts, n), k)
+        w64 = qm.dequantize_f64(raw, qm.Q4_0)
+        blocks = mx.array(raw)
+        for m in (1, 3):
+            ids = np.stack([rng.permutation(experts)[:slots] for _ in range(m)]).astype(np.int32)
+            wts = rng.random((m, slots)).astype(np.float32)
+            x, x64 = _acts(rng, (m, slots, k), mx.bfloat16)
+            per, mag = _expert_products(w64, x64.reshape(-1, k), ids, True)  # [M, k, N]
+            want, bound = np.einsum("ms,msn->mn", wts, per), np.einsum("ms,msn->mn", wts, mag)
+            for cfg in (None, qm.StreamConfig(1, 4, 4), qm.StreamConfig(2, 2, 3)):
+                out = qm.launch_down_sum_stream(x, mx.array(ids), mx.array(wts), blocks, n, config=cfg, init_value=NAN)
+                assert out.shape == (m, n) and out.dtype == mx.bfloat16
+                _check(out, want, bound, mx.bfloat16, f"stream down_sum M={m} N={n} K={k} {cfg}")
+    ids = mx.array(np.array([[1, 2], [3, 99]], dtype=np.int32))
+    x = mx.array(rng.standard_normal((2, 2, 704)).astype(np.float32)).astype(mx.bfloat16)
+    out = np.array(qm.launch_down_sum_stream(x, ids, mx.ones((2, 2)), mx.array(qm.random_blocks(rng, qm.Q4_0, (4, 40), 704)),
+                                             40, init_value=0.0).astype(mx.float32))  # fmt: skip
+    assert np.isfinite(out[0]).all() and np.isnan(out[1]).all()
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA stream kernels (cp.async + tensor cores)")
+def test_stream_dispatch(monkeypatch):
+    """With STREAM_KERNELS on, the public Q4_0 ops (dense, gathered, gate/up, moe_down) use the
+    stream kernels for bf16 and stay as accurate; f32 activations keep the FMA kernel."""
+    monkeypatch.setattr(qm, "STREAM_KERNELS", True)
+    rng = np.random.default_rng(21)
+    raw = qm.random_blocks(rng, qm.Q4_0, (300,), 512)
+    w64 = qm.dequantize_f64(raw, qm.Q4_0)
+    for dtype in (mx.bfloat16, mx.float32):
+        x, x64 = _acts(rng, (2, 3, 512), dtype)
+        _check(qm.q4_0_matvec(x, mx.array(raw), 300), x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, dtype, "dispatch")
+    stack = qm.random_blocks(rng, qm.Q4_0, (6, 40), 512)
+    s64 = qm.dequantize_f64(stack, qm.Q4_0)
+    ids = np.array([[0, 5], [2, 1]], dtype=np.int32)
+    x, x64 = _acts(rng, (2, 512), mx.bfloat16)
+    want, bound = _expert_products(s64, x64, ids, False)
+    _check(qm.q4_0_matvec_gather(x, mx.array(ids), mx.array(stack), 40), want, bound, mx.bfloat16, "gather dispatch")
+    g, u, mg, mu = want[..., :20], want[..., 20:], bound[..., :20], bound[..., 20:]
+    gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+    _check(qm.q4_0_gate_up_gather(x, mx.array(ids), mx.array(stack), 20), gelu * u, (np.abs(g) + mg) * (np.abs(u) + mu),
+           mx.bfloat16, "gate_up dispatch")  # fmt: skip
+    xs, xs64 = _acts(rng, (2, 2, 512), mx.bfloat16)
+    wts = np.array([[0.25, 0.75], [0.5, 0.5]], dtype=np.float32)
+    per, mag = _expert_products(s64, xs64.reshape(-1, 512), ids, True)
+    _check(qm.q4_0_moe_down(xs, mx.array(ids), mx.array(wts), mx.array(stack), 40), np.einsum("ms,msn->mn", wts, per),
+           np.einsum("ms,msn->mn", wts, mag), mx.bfloat16, "moe_down dispatch")  # fmt: skip

@@ -115,6 +115,42 @@ def test_gate_up_reference_vs_float64(fmt):
     _within(out, want, (np.abs(g) + mag[..., :f]) * (np.abs(u) + mag[..., f:]), 1e-5)
 
 
+def test_moe_down_reference_vs_float64():
+    """Fused down projection + router-weighted sum over slots (reference and public op; on CPU
+    the op is the reference): sum_s w[m, s] W[ids[m, s]] @ x[m, s]."""
+    rng = np.random.default_rng(19)
+    experts, n, slots, m, k = 6, 13, 3, 2, 96
+    raw = qm.random_blocks(rng, qm.Q4_0, (experts, n), k)
+    w64 = qm.dequantize_f64(raw, qm.Q4_0)
+    ids = np.stack([rng.permutation(experts)[:slots] for _ in range(m)]).astype(np.int32)
+    wts = rng.random((m, slots)).astype(np.float32)
+    x, x64 = _to_mx(rng.standard_normal((m, slots, k)), mx.float32)
+    want = np.einsum("ms,msnk,msk->mn", wts.astype(np.float64), w64[ids], x64)
+    bound = np.einsum("ms,msnk,msk->mn", wts.astype(np.float64), np.abs(w64[ids]), np.abs(x64))
+    for fn in (lambda: qm.moe_down_reference(x, mx.array(ids), mx.array(wts), mx.array(raw), qm.Q4_0, n),
+               lambda: qm.q4_0_moe_down(x, mx.array(ids), mx.array(wts), mx.array(raw), n)):  # fmt: skip
+        out = fn()
+        assert out.shape == (m, n) and out.dtype == mx.float32
+        _within(np.array(out), want, bound, 1e-5)
+    with pytest.raises(ValueError):
+        qm.q4_0_moe_down(x[:, 0], mx.array(ids), mx.array(wts), mx.array(raw), n)  # x must be [M, k, K]
+
+
+def test_stream_plans_and_copy_width():
+    """Stream kernels: copy width from the row length, grids covering every row / feature."""
+    assert [qm.stream_copy_width(qm.row_bytes(qm.Q4_0, k)) for k in (5376, 2816, 384, 704, 96)] == [16, 16, 8, 4, 0]
+    assert qm.stream_supported(mx.bfloat16, 5376) and not qm.stream_supported(mx.float32, 5376)
+    assert not qm.stream_supported(mx.bfloat16, 96)  # 3 blocks per row: 54 bytes, 2-byte aligned only
+    for kind, n, k in (("dense", 21504, 5376), ("gather", 2816, 704), ("gate_up", 704, 2816), ("down_sum", 2816, 704)):
+        plan = qm.plan_stream(kind, 1, n, k, 8, kind != "dense")
+        cfg = qm.default_stream_config(kind, 1, n, k)
+        per_block = {"gate_up": 8 * cfg.tiles * cfg.warps, "down_sum": 16 * cfg.tiles}.get(kind, 16 * cfg.tiles * cfg.warps)
+        assert plan.threadgroup == (32 * cfg.warps, 1, 1) and plan.grid[0] // plan.threadgroup[0] * per_block >= n
+        assert plan.grid[1] == {"dense": 1, "down_sum": 1}.get(kind, 8)
+    with pytest.raises(ValueError):
+        qm.StreamConfig(2, 8, 4)  # 73 KiB of static shared memory
+
+
 def test_backend_and_reference_switch(monkeypatch):
     assert custom_kernels.backend() in ("metal", "cuda", "cpu")
     monkeypatch.setenv(custom_kernels.KERNELS_ENV, "reference")
@@ -230,7 +266,11 @@ def test_registry_lists_every_kernel_with_consistent_cases():
             ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0, "q6_k": qm.Q6_K}[spec.name.split("_", 1)[1][:4]]
             wq = mx.array(case.inputs["wq"])
             n = case.output_shapes[0][-1]
-            if "gate_up" in spec.name:
+            if "down_sum" in spec.name:
+                ids = mx.array(case.inputs["ids"])
+                ref = qm.moe_down_reference(xm.reshape(*ids.shape, -1), ids, mx.array(case.inputs["wts"]), wq,
+                                            ggml_type, n)  # fmt: skip
+            elif "gate_up" in spec.name:
                 ref = qm.gate_up_gather_reference(xm, mx.array(case.inputs["ids"]), wq, ggml_type, n)
             elif "gather" in spec.name:
                 ids = mx.array(case.inputs["ids"])
