@@ -898,6 +898,11 @@ template <> __device__ __forceinline__ void g4_cp_async<8>(uint32_t dst, const u
 template <> __device__ __forceinline__ void g4_cp_async<4>(uint32_t dst, const uint8_t* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
+__device__ __forceinline__ uint32_t g4_shared_addr(const void* p) {  // generic -> shared window address
+  uint32_t a;
+  asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }\n" : "=r"(a) : "l"(p));
+  return a;
+}
 __device__ __forceinline__ void g4_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void g4_cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
@@ -924,7 +929,7 @@ _STREAM_BODY_CUDA = r"""
   const int g = lane >> 2;
   const int t = lane & 3;
   uint32_t* stage = g4_stage + warp * ST * SLOT;
-  const uint32_t stage_addr = (uint32_t)__cvta_generic_to_shared(stage);
+  const uint32_t stage_addr = g4_shared_addr(stage);
   const int K = x_shape[1];
   const int nblocks = K / 32;
   const int ngroups = (nblocks + 7) / 8;
@@ -972,7 +977,7 @@ _STREAM_BODY_CUDA = r"""
         copy_group(grp, slot, nvalid * 18 / CH);
       }
     } else {  // base pointer not CH-aligned (a view): plain 2-byte copies, same layout
-      uint16_t* s16 = reinterpret_cast<uint16_t*>(stage + slot * SLOT);
+      unsigned short* s16 = reinterpret_cast<unsigned short*>(stage + slot * SLOT);
       const int rc = nvalid * 9;
       for (int c = lane; c < RT * rc; c += 32) {
         const int r = c / rc;
@@ -991,7 +996,7 @@ _STREAM_BODY_CUDA = r"""
   }
 @SLOT_LOOP@ {
 @SLOT_BEGIN@
-    aligned = ((reinterpret_cast<uintptr_t>(wmat) | (uintptr_t)row_bytes) & (uintptr_t)(CH - 1)) == 0;
+    aligned = ((reinterpret_cast<size_t>(wmat) | (size_t)row_bytes) & (size_t)(CH - 1)) == 0;
     const __nv_bfloat16* xr = x + (size_t)xrow * K + 4 * t;
     _Pragma("unroll") for (int i = 0; i < TILES; ++i) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
     _Pragma("unroll") for (int s = 0; s < ST - 1; ++s) { issue(s); g4_cp_async_commit(); }
