@@ -141,8 +141,13 @@ INLINE AVX2 void block_float(const Job *job, int kind, int M, int R, int64_t n) 
         for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
     }
     int64_t k = 0;
+    const int64_t elem = kind == KIND_F32 ? 4 : 2;
     for (; k + 8 <= K; k += 8) {
         __m256 wv[4];
+#ifdef PF_BYTES
+        if (((k * elem) & 63) == 0)
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)rows[r] + k * elem + PF_BYTES, _MM_HINT_T0);
+#endif
         for (int r = 0; r < R; r++) wv[r] = load8_w(kind, rows[r], k);
         for (int m = 0; m < M; m++) {
             const __m256 xv = _mm256_loadu_ps(job->x + m * K + k);
@@ -232,9 +237,12 @@ INLINE AVX2 void block_affine(const Job *job, int kind, int M, int R, int64_t n)
         for (; n < n1; n++) block_affine(job, KIND, MM, 1, n);                \
         break;                                                                \
     }
+#ifndef M1_R
+#define M1_R 4
+#endif
 #define FLOAT_SWITCH(KIND)                                                    \
     switch (job->M) {                                                         \
-        FLOAT_CASE(KIND, 1, 4)                                                \
+        FLOAT_CASE(KIND, 1, M1_R)                                             \
         FLOAT_CASE(KIND, 2, 4)                                                \
         FLOAT_CASE(KIND, 3, 3)                                                \
         FLOAT_CASE(KIND, 4, 2)                                                \
