@@ -224,7 +224,14 @@ class StaticRotatingKVCache:
         slot = (self.offset % capacity).reshape(1)
         self.keys = mx.slice_update(self.keys, keys, slot, axes=[2])
         self.values = mx.slice_update(self.values, values, slot, axes=[2])
-        self.positions = mx.slice_update(self.positions, self.offset.reshape(1), slot, axes=[0])
+        # Slot s holds the latest position p <= offset with p % capacity == s (-1 before the ring
+        # fills): computed, not written, because a slice update costs ~25 us of host time per layer
+        # on CUDA against ~4 us for this fused elementwise op. Slots a rollback emptied are given
+        # their previous lap's position, which is more than the window behind every later query
+        # (rollback is bounded by the slack), so the attention mask is unchanged.
+        slots = mx.arange(capacity, dtype=mx.int32)
+        latest = self.offset - (self.offset - slots) % capacity
+        self.positions = mx.where(latest >= 0, latest, -1)
         self.offset = self.offset + 1
         return self.keys, self.values, self.positions
 

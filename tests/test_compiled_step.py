@@ -85,3 +85,31 @@ def test_gpu_attention_path_matches(any_fixture, monkeypatch):
     monkeypatch.setattr(model_module, "use_kernel", lambda family: family == "attention")
     kernel_path = run()
     assert np.abs(kernel_path - sdpa).max() <= 1e-5 * np.abs(sdpa).max()
+
+
+def test_static_ring_positions_match_the_ring_including_after_rollback():
+    """The static ring computes its slot positions instead of writing them: they equal the dynamic
+    ring's wherever that holds a token inside the window, and after a rollback the slots it emptied
+    are masked for every later query (claimed position more than a window behind)."""
+    from gemma4_mlx.cache import RotatingKVCache, StaticRotatingKVCache
+
+    window, slack = 16, 8
+    rng = np.random.default_rng(3)
+
+    def kv(t):
+        return (mx.array(rng.standard_normal((1, 2, t, 4)).astype(np.float32)),) * 2
+
+    for prefill, rollback_to in ((5, None), (30, None), (40, 33)):
+        ring = RotatingKVCache(window, slack)
+        ring.update(*kv(prefill))
+        if rollback_to is not None:
+            ring.rollback(rollback_to)
+        static = StaticRotatingKVCache.from_cache(ring)
+        for _ in range(2 * (window + slack)):
+            q = ring.offset  # the query position of this step
+            _, _, want = ring.update(*kv(1))
+            _, _, got = static.update(*kv(1))
+            want, got = np.array(want), np.array(got)
+            visible = lambda p: (p >= 0) & (p <= q) & (q - p < window)  # noqa: E731
+            assert np.array_equal(visible(want), visible(got)), (prefill, rollback_to, q)
+            assert np.array_equal(want[visible(want)], got[visible(got)])
