@@ -233,7 +233,7 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
             sec = time_rotating(calls, quick)
             rows.append(dict(model=model, name=name, impl="q4_0_matvec_stream", N=n, K=k, M=m, sets=sets,
                              time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
-                             config=[scfg.tiles, scfg.warps, scfg.stages], **host_split(calls[:8], quick)))  # fmt: skip
+                             config=[scfg.tiles, scfg.warps, scfg.stages, scfg.group_blocks], **host_split(calls[:8], quick)))  # fmt: skip
         if mma and on_gpu and ggml_type == qm.Q4_0 and dtype == mx.bfloat16 and custom_kernels.backend() == "cuda":
             mcfg = mma if isinstance(mma, qm.MmaConfig) else qm.default_mma_config(n)
             calls = [lambda w=w: qm.launch_dense_mma(x, w, n, config=mcfg) for w in weights]
@@ -307,7 +307,7 @@ def expert_case(model, ex, h, dtype, quick, on_gpu, stream_configs=None, with_ml
     for impl, fn, cfg in variants:
         calls = [lambda i=i, fn=fn: fn(i) for i in range(sets)]
         sec = time_rotating(calls, quick)
-        extra = {} if cfg is None else {"config": [cfg.tiles, cfg.warps, cfg.stages]}
+        extra = {} if cfg is None else {"config": [cfg.tiles, cfg.warps, cfg.stages, cfg.group_blocks]}
         rows.append(dict(model=model, name=label, impl=impl, N=2 * f, K=h, M=1, E=e, sets=sets, time_us=sec * 1e6,
                          bytes=nbytes, GBps=nbytes / sec / 1e9, **extra, **host_split(calls, quick)))  # fmt: skip
     if not with_mlx:
@@ -360,7 +360,8 @@ def sweep(dtype, quick, on_gpu):
 # --------------------------------------------------------------------------------------------
 
 
-STREAM_SWEEP = [(1, 4, 4), (1, 4, 2), (1, 4, 6), (2, 2, 4), (2, 4, 2), (1, 8, 2), (1, 2, 8), (4, 1, 4)]
+STREAM_SWEEP = [(1, 4, 4, 8), (1, 4, 2, 16), (1, 2, 2, 32), (1, 1, 2, 64), (1, 2, 4, 16), (1, 1, 2, 32),
+                (2, 1, 2, 32), (1, 2, 3, 16), (1, 8, 2, 8)]  # (tiles, warps, stages, group_blocks)
 
 
 def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
@@ -371,21 +372,23 @@ def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
     shapes = QUICK["tiny"]["proj"] if args.quick else [("ffn_gate/up", 21504, 5376), ("ffn_down", 5376, 21504),
                                                         ("attn_q(s)", 8192, 5376)]  # fmt: skip
     model = "tiny" if args.quick else "31B"
-    for name, n, k in [] if args.experts_only else shapes:
-        add(dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, args.quick, on_gpu, with_qmm=False), rows)
+    for name, n, k in [] if args.experts_only else shapes[:1] if args.sweep_only else shapes:
+        add(dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, args.quick, on_gpu, with_qmm=False,
+                       mma=not args.sweep_only), rows)  # fmt: skip
     ex_model = "tiny" if args.quick else "26B-A4B"
     spec = QUICK["tiny"] if args.quick else MODELS["26B-A4B"]
-    add(expert_case(ex_model, spec["experts"], spec["H"], dtype, args.quick, on_gpu, with_mlx=False), rows)
+    if not args.sweep_only:
+        add(expert_case(ex_model, spec["experts"], spec["H"], dtype, args.quick, on_gpu, with_mlx=False), rows)
     if not on_gpu or custom_kernels.backend() != "cuda" or args.experts_only:
         return
     name, n, k = shapes[0]
-    for t, w, st in STREAM_SWEEP:
-        cfg = qm.StreamConfig(t, w, st)
+    for geometry in STREAM_SWEEP:
         try:
-            got = dense_case(model, name, qm.Q4_0, n, k, (1,), dtype, args.quick, on_gpu, with_qmm=False, mma=False,
+            cfg = qm.StreamConfig(*geometry)
+            got = dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, args.quick, on_gpu, with_qmm=False, mma=False,
                              stream=cfg, fma=False)  # fmt: skip
         except Exception as exc:  # noqa: BLE001  (a geometry the device rejects)
-            got = [dict(model=model, name=name, M=1, config=[t, w, st], error=str(exc)[:200])]
+            got = [dict(model=model, name=name, M=1, config=list(geometry), error=str(exc)[:200])]
         add(got, sweep_rows)
     cfgs = [qm.StreamConfig(*c) for c in STREAM_SWEEP[1:5]]
     add([r for r in expert_case(ex_model, spec["experts"], spec["H"], dtype, args.quick, on_gpu, cfgs, False)
@@ -430,6 +433,7 @@ def main() -> None:
     ap.add_argument("--no-qmm", action="store_true", help="skip the mx.quantized_matmul comparison")
     ap.add_argument("--experts-only", action="store_true", help="with --focus: only the overhead probe and the "
                     "expert path (e.g. to rerun it under other MLX_* graph settings)")  # fmt: skip
+    ap.add_argument("--sweep-only", action="store_true", help="with --focus: only the stream geometry sweep")
     ap.add_argument("--focus", action="store_true", help="only the issue-4 targets (31B FFN, 26B-A4B experts), "
                     "the per-op overhead probe and a sweep of the CUDA stream kernels' geometry")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/kernels-<backend>-<date>.json)")

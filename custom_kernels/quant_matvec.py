@@ -872,7 +872,7 @@ def launch_dense_mma(x2: mx.array, blocks: mx.array, n: int, config: MmaConfig |
 # magic-number conversion, FMA) and reads the 18-byte blocks with 2-byte loads, so it is bounded
 # by instruction issue and load-unit requests, not by HBM (52% of copy at the 31B FFN shape).
 # Here every warp streams its rows' bytes into shared memory with 16-byte (8/4 when the row
-# length allows no more) cp.async copies, ST groups of 8 blocks in flight per warp, and decodes
+# length allows no more) cp.async copies, ST groups of GB blocks in flight per warp, and decodes
 # them for mma.sync m16n8k16: 8 nibbles of one 32-bit word -> four bf16x2 (q - 8) registers with
 # a mask, an OR and one bf16x2 subtraction each (exact), x as the B operand (column m = token m),
 # f32 accumulation, d applied per block in f32. That is ~2 instructions per weight, and the same
@@ -882,8 +882,9 @@ def launch_dense_mma(x2: mx.array, blocks: mx.array, n: int, config: MmaConfig |
 # g + 8 of every block (one word u): the k order inside an mma is free as long as A and B agree,
 # so k-step 0 pairs {w_4t, w_4t+2} (low nibbles of bytes 0, 2 of u) with x {4t, 4t+2} and
 # {w_4t+1, w_4t+3} with x {4t+1, 4t+3}; k-step 1 does the same with the high nibbles (w_16+..).
-# Staged rows are 144 bytes (8 blocks) apart: 36 words, so the 8 rows of a tile fall in distinct
-# banks. Rows that are not 2-byte... every GGUF row is whole blocks; the copy width CH needs
+# Staged rows are GB * 18 bytes apart (+16 when GB > 8), so the 8 rows of a tile fall in distinct
+# banks. GB (blocks per row piece) sets how long a contiguous run each row read is: 144-byte runs
+# from ~1300 rows at once read HBM at about half the copy rate (measured, bench/NOTES.md). Rows that are not 2-byte... every GGUF row is whole blocks; the copy width CH needs
 # row_bytes % CH == 0 (host) and a CH-aligned base pointer (checked here; else 2-byte copies).
 
 _STREAM_HEADER_CUDA = r"""
@@ -915,13 +916,14 @@ __device__ __forceinline__ uint32_t g4_q4w_hi_odd(uint32_t u) { return g4_q4_bf1
 """
 
 # Template: T (bfloat16), M (dense: 1..8 activation rows), TILES (16-row tiles per warp), NW (warps
-# per block, each with its own rows), ST (stages of 8 blocks in flight per warp), CH (copy width,
+# per block, each with its own rows), ST (stages in flight per warp), GB (blocks per stage), CH (copy width,
 # bytes), XPP (gather: 1 = x holds one row per (token, slot)). @KIND@: 0 dense, 1 gather, 2 gate_up.
 _STREAM_BODY_CUDA = r"""
   // gemma4-mlx q4_0 stream kernel (CUDA: cp.async staging, tensor cores, bf16 activations)
   constexpr int KIND = @KIND@;     // 0 dense, 1 gather, 2 gate_up, 3 down_sum
   constexpr int RT = 16 * TILES;   // staged weight rows per warp
-  constexpr int RW = 36;           // words per staged row: 8 blocks = 144 bytes
+  constexpr int GBYTES = GB * 18;  // bytes of one staged row piece: GB blocks (a multiple of 16)
+  constexpr int RW = GB * 18 / 4 + (GB > 8 ? 4 : 0);  // words per staged row (padded: 8 rows, 8 bank groups)
   constexpr int SLOT = RT * RW;    // words per stage
   __shared__ __align__(16) uint32_t g4_stage[NW * ST * SLOT + 4];
   const int lane = (int)(threadIdx.x & 31u);
@@ -932,7 +934,7 @@ _STREAM_BODY_CUDA = r"""
   const uint32_t stage_addr = g4_shared_addr(stage);
   const int K = x_shape[1];
   const int nblocks = K / 32;
-  const int ngroups = (nblocks + 7) / 8;
+  const int ngroups = (nblocks + GB - 1) / GB;
   // unit: this warp's tile group (down_sum: the block's; its warps take different slots)
   const int unit = KIND == 3 ? (int)blockIdx.x : (int)blockIdx.x * NW + warp;
   int pair = 0, xrow = 0;
@@ -962,17 +964,17 @@ _STREAM_BODY_CUDA = r"""
       int wr;
       if (weight_row(r, wr)) {
         g4_cp_async<CH>(stage_addr + (uint32_t)((slot * SLOT + r * RW) * 4 + p * CH),
-                        wmat + (size_t)wr * row_bytes + (size_t)grp * 144 + p * CH);
+                        wmat + (size_t)wr * row_bytes + (size_t)grp * GBYTES + p * CH);
       }
     }
   };
   auto issue = [&](int grp) {
     if (grp >= ngroups) return;
-    const int nvalid = min(8, nblocks - 8 * grp);
+    const int nvalid = min(GB, nblocks - GB * grp);
     const int slot = grp % ST;
     if (aligned) {
-      if (nvalid == 8) {
-        copy_group(grp, slot, 144 / CH);
+      if (nvalid == GB) {
+        copy_group(grp, slot, GBYTES / CH);
       } else {
         copy_group(grp, slot, nvalid * 18 / CH);
       }
@@ -984,7 +986,7 @@ _STREAM_BODY_CUDA = r"""
         const int p = c - r * rc;
         int wr;
         if (weight_row(r, wr)) {
-          s16[r * RW * 2 + p] = __ldg(reinterpret_cast<const unsigned short*>(wmat + (size_t)wr * row_bytes + (size_t)grp * 144) + p);
+          s16[r * RW * 2 + p] = __ldg(reinterpret_cast<const unsigned short*>(wmat + (size_t)wr * row_bytes + (size_t)grp * GBYTES) + p);
         }
       }
     }
@@ -1007,9 +1009,9 @@ _STREAM_BODY_CUDA = r"""
       __syncwarp();                // ... and every lane's
       const uint32_t* S = stage + (grp % ST) * SLOT;
       const unsigned short* S16 = reinterpret_cast<const unsigned short*>(S);
-      const int nvalid = min(8, nblocks - 8 * grp);
+      const int nvalid = min(GB, nblocks - GB * grp);
       _Pragma("unroll 2") for (int bl = 0; bl < nvalid; ++bl) {
-        const int kb = (8 * grp + bl) * 32;
+        const int kb = (GB * grp + bl) * 32;
         const uint2 xa = __ldg(reinterpret_cast<const uint2*>(xr + kb));       // x[4t .. 4t+3]
         const uint2 xc = __ldg(reinterpret_cast<const uint2*>(xr + kb + 16));  // x[16+4t ..]
         const uint32_t b00 = __byte_perm(xa.x, xa.y, 0x5410), b01 = __byte_perm(xa.x, xa.y, 0x7632);
@@ -1018,7 +1020,7 @@ _STREAM_BODY_CUDA = r"""
           uint32_t u[2];
           float d[2];
           _Pragma("unroll") for (int h = 0; h < 2; ++h) {
-            const int o = (16 * i + 8 * h + g) * 144 + 18 * bl;  // block start in the stage
+            const int o = (16 * i + 8 * h + g) * RW * 4 + 18 * bl;  // block start in the stage
             d[h] = g4_half_bits(S16[o >> 1]);
             const int ob = o + 2 + 4 * t;                         // qs[4t .. 4t+3], 2-byte aligned
             u[h] = __funnelshift_r(S[ob >> 2], S[(ob >> 2) + 1], (ob & 3) * 8);
@@ -1139,20 +1141,27 @@ _STREAM_STORE = {
 @dataclass(frozen=True)
 class StreamConfig:
     """Geometry of the CUDA stream kernels: 16-row tiles per warp, warps per block (each with its
-    own rows), stages (groups of 8 blocks per staged row) in flight per warp."""
+    own rows), stages in flight per warp, and blocks per staged row piece (group_blocks)."""
 
     tiles: int = 1
     warps: int = 4
     stages: int = 4
+    group_blocks: int = 8  # blocks per staged row piece (one contiguous read of each row per stage)
 
     def __post_init__(self):
         if self.tiles not in (1, 2, 4) or self.warps not in (1, 2, 4, 8) or not 2 <= self.stages <= 8:
             raise ValueError("tiles must be 1, 2 or 4, warps 1, 2, 4 or 8, stages 2..8")
+        if self.group_blocks not in (8, 16, 32, 64):
+            raise ValueError("group_blocks must be 8, 16, 32 or 64")
         if self.shared_bytes() > 48 * 1024:
             raise ValueError(f"{self}: {self.shared_bytes()} bytes of static shared memory (> 48 KiB)")
 
     def shared_bytes(self) -> int:
-        return self.warps * self.stages * 16 * self.tiles * 144 + 16
+        return self.warps * self.stages * 16 * self.tiles * self.row_stride() + 16
+
+    def row_stride(self) -> int:
+        """Bytes per staged row: group_blocks * 18, padded by 16 beyond 8 blocks (bank spread)."""
+        return self.group_blocks * 18 + (16 if self.group_blocks > 8 else 0)
 
 
 def stream_copy_width(row_bytes: int) -> int:
@@ -1173,7 +1182,7 @@ def _stream_def(kind: str) -> _KernelDef:
         name = {"dense": "g4_q4_0_matvec_stream", "gather": "g4_q4_0_matvec_gather_stream",
                 "gate_up": "g4_q4_0_gate_up_gather_stream", "down_sum": "g4_q4_0_down_sum_gather_stream"}[kind]
         inputs = {"dense": ("x", "wq"), "down_sum": ("x", "ids", "wts", "wq")}.get(kind, ("x", "ids", "wq"))
-        tmpl = ("T",) + (("M",) if kind == "dense" else ()) + ("TILES", "NW", "ST", "CH")
+        tmpl = ("T",) + (("M",) if kind == "dense" else ()) + ("TILES", "NW", "ST", "GB", "CH")
         tmpl += ("XPP",) if kind == "gather" else ()
         loop, begin, end = _STREAM_SLOTS.get(kind, _ONE_PASS)
         body = _STREAM_BODY_CUDA.replace("@KIND@", str(_STREAM_KINDS[kind]))
@@ -1209,7 +1218,7 @@ def plan_stream(kind: str, m: int, n: int, k: int, slots: int = 1, x_per_pair: b
     if not ch:
         raise ValueError(f"stream kernels: K={k} gives rows of an odd number of blocks")
     template: list = [("T", "bfloat16")] + ([("M", m)] if kind == "dense" else [])
-    template += [("TILES", cfg.tiles), ("NW", cfg.warps), ("ST", cfg.stages), ("CH", ch)]
+    template += [("TILES", cfg.tiles), ("NW", cfg.warps), ("ST", cfg.stages), ("GB", cfg.group_blocks), ("CH", ch)]
     if kind == "gather":
         template.append(("XPP", int(bool(x_per_pair))))
     rows_per_block = (8 if kind == "gate_up" else 16) * cfg.tiles * (1 if kind == "down_sum" else cfg.warps)
@@ -1556,20 +1565,21 @@ def _down_sum_case(rng, m, slots, experts, n, k, config):
 
 def _stream_cases(kind: str):
     """Odd N, every copy width (K = 1024: 16-byte, 384: 8-byte, 704 and 320: 4-byte copies), a
-    partial last group of 8 blocks, M = 1..8, tiles/warps/stages variants."""
+    partial last group, M = 1..8, tiles/warps/stages/group-size variants."""
 
     def make(rng: np.random.Generator):
         s = StreamConfig
         if kind == "down_sum":
             return [_down_sum_case(rng, 1, 8, 10, 37, 704, s(1, 8, 2)),
-                    _down_sum_case(rng, 2, 3, 5, 21, 1024, s(2, 2, 3))]  # fmt: skip
+                    _down_sum_case(rng, 2, 3, 5, 21, 1024, s(2, 1, 3, 16))]  # fmt: skip
         if kind == "dense":
-            return [_stream_case(rng, kind, 1, 37, 1024, 1, 0, False, s(1, 2, 2)),
+            return [_stream_case(rng, kind, 1, 37, 1024, 1, 0, False, s(1, 2, 2, 32)),
                     _stream_case(rng, kind, 8, 70, 704, 1, 0, False, s(2, 2, 3)),
-                    _stream_case(rng, kind, 3, 33, 384, 1, 0, False, s(1, 4, 4))]  # fmt: skip
+                    _stream_case(rng, kind, 3, 33, 384, 1, 0, False, s(1, 4, 4)),
+                    _stream_case(rng, kind, 2, 19, 2816, 1, 0, False, s(1, 1, 2, 64))]  # fmt: skip
         return [_stream_case(rng, kind, 1, 19, 1024, 4, 6, False, s(1, 2, 3)),
                 _stream_case(rng, kind, 2, 21, 320, 2, 5, kind == "gather", s(2, 1, 2)),
-                _stream_case(rng, kind, 1, 9, 704, 3, 4, kind == "gather", s(1, 4, 4))]  # fmt: skip
+                _stream_case(rng, kind, 1, 9, 704, 3, 4, kind == "gather", s(1, 2, 4, 16))]  # fmt: skip
 
     return make
 
