@@ -97,9 +97,9 @@ def test_greedy_f32_kernels_equal_reference(variant, qtype, gguf_path, monkeypat
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_bf16_logits_within_tolerance(variant, gguf_path, monkeypatch):
     """bf16 with kernels, teacher-forced through the caches one token at a time and in chunks of 5
-    (the small-M verification kernels): argmax equals the f32 reference wherever its top-2 margin
-    exceeds MARGIN, and agrees with it overall at least as often as the reference path's own bf16 run
-    with the same chunks, minus 3 points (the model issue's bf16 rule)."""
+    (the small-M verification kernels), against the f32 reference: argmax equal wherever the f32
+    top-2 margin exceeds MARGIN, and the mean logit error no larger than the reference path's own bf16
+    run with the same chunks (x 1.25): the kernels add nothing beyond bf16 rounding."""
     path = gguf_path(variant, "q4_0")
     ids = probe_ids(96, seed=13)[0]
     _kernels(monkeypatch, on=False)
@@ -107,21 +107,23 @@ def test_bf16_logits_within_tolerance(variant, gguf_path, monkeypatch):
     gold = _teacher_forced(f32_model, ids, chunk=1)
     del f32_model
     bf16_model, _ = load_gguf(path, dtype=mx.bfloat16, progress=False, weight_format="blocks")
-    want = gold.argmax(-1)
     confident = _top2_margin(gold) > MARGIN
     for chunk in (1, 5):
         _kernels(monkeypatch, on=False)
-        ref_agree = float((_teacher_forced(bf16_model, ids, chunk=chunk).argmax(-1) == want).mean())
+        ref_err = float(np.abs(_teacher_forced(bf16_model, ids, chunk=chunk) - gold).mean())
         _kernels(monkeypatch, on=True)
-        agree = _teacher_forced(bf16_model, ids, chunk=chunk).argmax(-1) == want
-        assert agree[confident].all(), f"chunk {chunk}: argmax flipped at confident positions {np.where(~agree & confident)[0]}"
-        assert agree.mean() >= ref_agree - 0.03, f"chunk {chunk}: agreement {agree.mean():.3f} vs reference bf16 {ref_agree:.3f}"
+        got = _teacher_forced(bf16_model, ids, chunk=chunk)
+        flips = (got.argmax(-1) != gold.argmax(-1)) & confident
+        assert not flips.any(), f"chunk {chunk}: argmax flipped at confident positions {np.where(flips)[0]}"
+        err = float(np.abs(got - gold).mean())
+        assert err <= 1.25 * ref_err, f"chunk {chunk}: mean logit error {err:.4g} vs reference bf16 {ref_err:.4g}"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_greedy_bf16_matches_reference_or_splits_at_a_tie(variant, gguf_path, monkeypatch):
+def test_greedy_bf16_matches_reference_or_splits_at_a_near_tie(variant, gguf_path, monkeypatch):
     """bf16: 64 greedy tokens with kernels equal the reference path's, or the first difference is at a
-    step where the reference's top-2 margin is within bf16 rounding of the logits (< 0.25)."""
+    step where the reference's top-2 margin is under MARGIN (bf16 noise, amplified in the MoE fixture by
+    router near-ties, can reorder such a pair) and the kernel path's token is the reference's second."""
     model, _ = load_gguf(gguf_path(variant, "q4_0"), dtype=mx.bfloat16, progress=False, weight_format="blocks")
     prompt = probe_ids(20, seed=17)[0]
     _kernels(monkeypatch, on=False)
@@ -131,7 +133,8 @@ def test_greedy_bf16_matches_reference_or_splits_at_a_tie(variant, gguf_path, mo
     if got != want:
         i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
         margin = float(_top2_margin(want_lp[i]))
-        assert margin < 0.25, f"token {i} differs with reference top-2 margin {margin:.3f}"
+        second = int(np.argsort(want_lp[i])[-2])
+        assert margin < MARGIN and got[i] == second, f"token {i} differs: margin {margin:.3f}, got rank-2 {got[i] == second}"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
