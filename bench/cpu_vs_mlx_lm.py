@@ -18,7 +18,7 @@ kernels and never reach BLAS):
    `gemma4_mlx.convert.convert(..., "q4_0")`.
 2. Loads the engines: this project's `load_hf` in bf16 and f32 and `load_gguf` of the Q4_0 file
    with bf16 activations (ours-q4) and with f32 ones (ours-q4-f32: what `gemma4_mlx.load` picks on
-   a CPU with a verified fast BLAS); ours-f32-mlxhead: ours-f32 with the native CPU matvec
+   a CPU with a verified fast BLAS); ours-f32-nonative: ours-f32 with the native CPU matvec
    (gemma4_mlx/cpu_matvec.py, the tied head at decode) switched off, the head through MLX; mlx-lm's `mlx_lm.load` in bf16, the same weights cast to f32, and its own
    4-bit affine quantization (`mlx_lm.utils.quantize_model`, bits 4, --mlxlm-group-size, default
    32 = Q4_0's block; scales/biases bf16, as `mlx_lm.convert -q` makes them).
@@ -99,14 +99,14 @@ def _cpu_default_dtype() -> str | None:
 BUILDER_VERSION = "1"  # bump when the drawn weights change
 SEED = 20260503
 ALL_ENGINES = ("ours-bf16", "mlxlm-bf16", "ours-q4", "ours-q4-f32", "mlxlm-q4", "ours-f32", "mlxlm-f32",
-               "ours-f32-mlxhead")
+               "ours-f32-nonative")
 # ours / mlx-lm pairs for the ratio table
 PAIRS = (("bf16", "ours-bf16", "mlxlm-bf16"), ("4-bit", "ours-q4", "mlxlm-q4"),
          ("f32", "ours-f32", "mlxlm-f32"), ("4-bit, ours with f32 activations", "ours-q4-f32", "mlxlm-q4"),
          ("ours f32 vs mlx-lm bf16", "ours-f32", "mlxlm-bf16"),
          ("ours 4-bit vs mlx-lm bf16", "ours-q4", "mlxlm-bf16"),
          ("ours 4-bit f32-act vs mlx-lm bf16", "ours-q4-f32", "mlxlm-bf16"),
-         ("ours f32, MLX head vs mlx-lm bf16", "ours-f32-mlxhead", "mlxlm-bf16"))
+         ("ours f32 without the native matvec vs mlx-lm bf16", "ours-f32-nonative", "mlxlm-bf16"))
 
 
 def log(msg: str) -> None:
@@ -208,7 +208,7 @@ class Engine:
         """The library's own generate_step, greedy: yields (token id, logprobs)."""
         if self.family == "ours":
             steps = ours_generate_step(prompt, self.model, max_tokens=max_tokens)
-            return _native_off(steps) if self.name.endswith("-mlxhead") else steps
+            return _native_off(steps) if self.name.endswith("-nonative") else steps
         from mlx_lm.generate import generate_step
 
         return generate_step(mx.array(prompt, dtype=mx.int32), self.model, max_tokens=max_tokens)
@@ -254,9 +254,9 @@ def load_engines(names: list[str], hf_dir: Path, gguf_path: Path, group_size: in
         elif name == "ours-f32":
             e = Engine(name, load_hf(hf_dir, dtype=mx.float32, progress=False), "ours",
                        "load_hf(dtype=float32)")
-        elif name == "ours-f32-mlxhead":
+        elif name == "ours-f32-nonative":
             e = Engine(name, load_hf(hf_dir, dtype=mx.float32, progress=False), "ours",
-                       f"load_hf(dtype=float32), {cpu_matvec.ENV_VAR}=off during its runs (head through MLX)")
+                       f"load_hf(dtype=float32), {cpu_matvec.ENV_VAR}=off during its runs (head and layers through MLX/BLAS)")
         elif name == "ours-q4":
             model, _ = load_gguf(gguf_path, dtype=mx.bfloat16, progress=False)
             e = Engine(name, model, "ours", "load_gguf of the Q4_0 file (f32 scales/biases, bf16 activations)")
@@ -389,7 +389,7 @@ def profile_decode_step(engine: Engine, cfg: ModelConfig, context: int, step_s: 
         parts[f"{tag} attn core, {kv_len} keys (x{count})"] = t_sdpa * count
         parts[f"{tag} MLP (x{count})"] = t_mlp * count
     head = engine.model.model.embed_tokens
-    if engine.family == "ours" and not engine.name.endswith("-mlxhead") and engine.model.native_head_ready(x):
+    if engine.family == "ours" and not engine.name.endswith("-nonative") and engine.model.native_head_ready(x):
         parts["tied head 1 x H @ H x V"] = _time_eval(lambda: engine.model._native_head(x), reps)
     else:
         parts["tied head 1 x H @ H x V"] = _time_eval(lambda: head.as_linear(x), reps)

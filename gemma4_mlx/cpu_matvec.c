@@ -45,17 +45,20 @@
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_Q4 = 2, KIND_Q8 = 3 };
 
+static int g_avx2 = 0; /* AVX2+FMA inner loops: set at import from the CPU's features */
+
 typedef struct {
     int kind;
     int M;
     int64_t K, N;
-    const float *x;       /* [M, K] */
+    const float *x;       /* [M, K], row m at x + m * x_stride */
+    int64_t x_stride, y_stride;
     const float *xsum;    /* [M, K / 32]: per-group sums of x (affine kinds only) */
     const void *w;        /* rows of the weight */
     int64_t row_bytes;
     const float *scales;  /* [N, K / 32] (affine) */
     const float *biases;
-    float *y;             /* [M, N] */
+    float *y;             /* [M, N], row m at y + m * y_stride */
     int64_t chunk;        /* weight rows a worker takes at a time */
     int64_t next;         /* next unclaimed row (atomic) */
     int avx2;
@@ -73,7 +76,7 @@ static inline float bf16_to_f32(uint16_t h) {
 
 static void rows_scalar(const Job *job, int64_t n0, int64_t n1) {
     const int M = job->M;
-    const int64_t K = job->K, N = job->N;
+    const int64_t K = job->K;
     for (int64_t n = n0; n < n1; n++) {
         const unsigned char *row = (const unsigned char *)job->w + n * job->row_bytes;
         float acc[MAX_ROWS] = {0};
@@ -87,7 +90,7 @@ static void rows_scalar(const Job *job, int64_t n0, int64_t n1) {
                     memcpy(&h, row + 2 * k, 2);
                     wk = bf16_to_f32(h);
                 }
-                for (int m = 0; m < M; m++) acc[m] += wk * job->x[m * K + k];
+                for (int m = 0; m < M; m++) acc[m] += wk * job->x[m * job->x_stride + k];
             }
         } else {
             const int bits = job->kind == KIND_Q4 ? 4 : 8;
@@ -102,12 +105,12 @@ static void rows_scalar(const Job *job, int64_t n0, int64_t n1) {
                     uint32_t word;
                     memcpy(&word, row + 4 * (k / per_word), 4);
                     const float q = (float)((word >> ((k % per_word) * bits)) & mask);
-                    for (int m = 0; m < M; m++) dot[m] += q * job->x[m * K + k];
+                    for (int m = 0; m < M; m++) dot[m] += q * job->x[m * job->x_stride + k];
                 }
                 for (int m = 0; m < M; m++) acc[m] += s * dot[m] + b * job->xsum[m * groups + g];
             }
         }
-        for (int m = 0; m < M; m++) job->y[m * N + n] = acc[m];
+        for (int m = 0; m < M; m++) job->y[m * job->y_stride + n] = acc[m];
     }
 }
 
@@ -135,7 +138,7 @@ INLINE AVX2 __m256 load8_w(int kind, const unsigned char *row, int64_t k) {
  * sums per activation row (k unrolled U x 8). One row at a time keeps the weight read a single
  * sequential stream: on a 2-core EPYC interleaving 2-4 rows read 1.5-2x slower out of DRAM. */
 INLINE AVX2 void row_float(const Job *job, int kind, int M, int U, int64_t n) {
-    const int64_t K = job->K, N = job->N;
+    const int64_t K = job->K;
     const unsigned char *row = (const unsigned char *)job->w + n * job->row_bytes;
     __m256 acc[4][MAX_ROWS];
     for (int u = 0; u < U; u++)
@@ -145,21 +148,21 @@ INLINE AVX2 void row_float(const Job *job, int kind, int M, int U, int64_t n) {
         for (int u = 0; u < U; u++) {
             const __m256 wv = load8_w(kind, row, k + 8 * u);
             for (int m = 0; m < M; m++)
-                acc[u][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(job->x + m * K + k + 8 * u), acc[u][m]);
+                acc[u][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(job->x + m * job->x_stride + k + 8 * u), acc[u][m]);
         }
     }
     for (; k + 8 <= K; k += 8) {
         const __m256 wv = load8_w(kind, row, k);
-        for (int m = 0; m < M; m++) acc[0][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(job->x + m * K + k), acc[0][m]);
+        for (int m = 0; m < M; m++) acc[0][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(job->x + m * job->x_stride + k), acc[0][m]);
     }
     for (int m = 0; m < M; m++) {
         for (int u = 1; u < U; u++) acc[0][m] = _mm256_add_ps(acc[0][m], acc[u][m]);
         float s = hsum8(acc[0][m]);
         for (int64_t t = k; t < K; t++) {
             const float wk = kind == KIND_F32 ? ((const float *)row)[t] : bf16_to_f32(((const uint16_t *)row)[t]);
-            s += wk * job->x[m * K + t];
+            s += wk * job->x[m * job->x_stride + t];
         }
-        job->y[m * N + n] = s;
+        job->y[m * job->y_stride + n] = s;
     }
 }
 
@@ -185,7 +188,7 @@ INLINE AVX2 void unpack_group(int kind, const unsigned char *row, int64_t g, __m
 /* Affine weights: one weight row n; per group, sum_j q_j x_j in 8 lanes, times the scale, plus
  * bias * sum(x over the group). */
 INLINE AVX2 void row_affine(const Job *job, int kind, int M, int64_t n) {
-    const int64_t K = job->K, N = job->N, groups = K / GROUP;
+    const int64_t K = job->K, groups = K / GROUP;
     const unsigned char *row = (const unsigned char *)job->w + n * job->row_bytes;
     const float *scales = job->scales + n * groups, *biases = job->biases + n * groups;
     __m256 acc[MAX_ROWS];
@@ -200,7 +203,7 @@ INLINE AVX2 void row_affine(const Job *job, int kind, int M, int64_t n) {
         const __m256 sv = _mm256_set1_ps(scales[g]);
         const float b = biases[g];
         for (int m = 0; m < M; m++) {
-            const float *xg = job->x + m * K + g * GROUP;
+            const float *xg = job->x + m * job->x_stride + g * GROUP;
             __m256 d = _mm256_mul_ps(q[0], _mm256_loadu_ps(xg));
             d = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xg + 8), d);
             d = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xg + 16), d);
@@ -209,7 +212,7 @@ INLINE AVX2 void row_affine(const Job *job, int kind, int M, int64_t n) {
             bias_acc[m] += b * job->xsum[m * groups + g];
         }
     }
-    for (int m = 0; m < M; m++) job->y[m * N + n] = hsum8(acc[m]) + bias_acc[m];
+    for (int m = 0; m < M; m++) job->y[m * job->y_stride + n] = hsum8(acc[m]) + bias_acc[m];
 }
 
 /* Rows n0..n1 with M a compile-time constant in each expansion (the loops above unroll). */
@@ -321,6 +324,70 @@ static void run_job(Job *job, int threads) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* cblas_sgemm hook: MLX's CPU backend calls cblas_sgemm for every f32 matmul (M = 1 included)
+ * through its GOT; cpu_matvec.install_sgemm_hook() points that slot here. Calls of the shape
+ * y = x @ W.T with 1..8 rows (row-major, A not transposed, B transposed, alpha 1, beta 0) run
+ * through the matvec above; every other call goes on to the BLAS the slot held before. */
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
+                         float *, int);
+static sgemm_fn g_sgemm_next = NULL;
+static int g_sgemm_threads = 1;
+static int g_sgemm_on = 0;
+static int64_t g_sgemm_hits = 0;
+
+enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112 };
+
+static void sgemm_hook(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A,
+                       int lda, const float *B, int ldb, float beta, float *C, int ldc) {
+    if (g_sgemm_on && order == CBLAS_ROW_MAJOR && trans_a == CBLAS_NO_TRANS && trans_b == CBLAS_TRANS && M >= 1 &&
+        M <= MAX_ROWS && N >= 1 && K >= 1 && alpha == 1.0f && beta == 0.0f && lda >= K && ldb >= K && ldc >= N) {
+        Job job;
+        memset(&job, 0, sizeof job);
+        job.kind = KIND_F32;
+        job.M = M;
+        job.K = K;
+        job.N = N;
+        job.x = A;
+        job.x_stride = lda;
+        job.w = B;
+        job.row_bytes = (int64_t)ldb * 4;
+        job.y = C;
+        job.y_stride = ldc;
+        job.avx2 = g_avx2;
+        run_job(&job, g_sgemm_threads);
+#if defined(__GNUC__) || defined(__clang__)
+        __atomic_fetch_add(&g_sgemm_hits, 1, __ATOMIC_RELAXED);
+#endif
+        return;
+    }
+    g_sgemm_next(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+static PyObject *py_sgemm_hook(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long next;
+    int threads, on;
+    if (!PyArg_ParseTuple(args, "Kii", &next, &threads, &on)) return NULL;
+    if (next == 0 || next == (unsigned long long)(uintptr_t)&sgemm_hook) {
+        PyErr_SetString(PyExc_ValueError, "the BLAS to forward to must be another cblas_sgemm");
+        return NULL;
+    }
+    g_sgemm_next = (sgemm_fn)(uintptr_t)next;
+    g_sgemm_threads = threads < 1 ? 1 : threads;
+    g_sgemm_on = on != 0;
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)&sgemm_hook);
+}
+
+static PyObject *py_sgemm_hook_state(PyObject *self, PyObject *args) {
+    (void)self;
+    int on = -1;
+    if (!PyArg_ParseTuple(args, "|i", &on)) return NULL;
+    if (on >= 0) g_sgemm_on = on != 0 && g_sgemm_next != NULL;
+    return Py_BuildValue("(KiL)", (unsigned long long)(uintptr_t)&sgemm_hook, g_sgemm_on, (long long)g_sgemm_hits);
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* argument checks */
 
 typedef struct {
@@ -399,8 +466,6 @@ static int check_x_out(const Buf *x, const Buf *out, int64_t N) {
     return 0;
 }
 
-static int g_avx2 = 0;
-
 static PyObject *float_matmul(PyObject *args, int kind) {
     PyObject *xo, *wo, *oo;
     int threads;
@@ -426,6 +491,8 @@ static PyObject *float_matmul(PyObject *args, int kind) {
     job.K = DIM(x, 1);
     job.N = DIM(w, 0);
     job.x = (const float *)x.view.buf;
+    job.x_stride = job.K;
+    job.y_stride = job.N;
     job.w = w.view.buf;
     job.row_bytes = job.K * (kind == KIND_F32 ? 4 : 2);
     job.y = (float *)out.view.buf;
@@ -513,6 +580,8 @@ static PyObject *py_matmul_affine(PyObject *self, PyObject *args) {
     job.K = K;
     job.N = N;
     job.x = xp;
+    job.x_stride = K;
+    job.y_stride = N;
     job.xsum = xsum;
     job.w = w.view.buf;
     job.row_bytes = K * bits / 8;
@@ -564,6 +633,11 @@ static PyMethodDef methods[] = {
     {"matmul_affine", py_matmul_affine, METH_VARARGS,
      "matmul_affine(x, w, scales, biases, out, bits, threads): w packed uint32 [N, K*bits/32], "
      "scales/biases float32 [N, K/32] (MLX affine, group 32); x, out float32"},
+    {"sgemm_hook", py_sgemm_hook, METH_VARARGS,
+     "sgemm_hook(next_address, threads, on) -> hook address: set the cblas_sgemm that non-matvec calls "
+     "go to (the caller then writes the returned address into libmlx's GOT slot)"},
+    {"sgemm_hook_state", py_sgemm_hook_state, METH_VARARGS,
+     "sgemm_hook_state([on]) -> (hook address, on, calls served): switch the matvec path of the hook"},
     {"simd", py_simd, METH_NOARGS, "simd() -> 'avx2+fma' or 'scalar': the inner loops in use"},
     {"set_simd", py_set_simd, METH_VARARGS, "set_simd('auto' | 'scalar'): pick the inner loops (tests)"},
     {NULL, NULL, 0, NULL},

@@ -35,8 +35,11 @@ except ImportError as exc:  # not built (no compiler at install time) or a stale
     _native = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
+_hook: dict = {"tried": False, "installed": False, "reason": "not tried"}
+
 __all__ = ["MAX_ROWS", "available", "enabled", "unavailable_reason", "describe", "threads", "matmul",
-           "matmul_affine", "reference_matmul", "reference_affine", "dequantize_affine_np"]
+           "matmul_affine", "install_sgemm_hook", "hook_status", "set_hook_enabled", "reference_matmul",
+           "reference_affine", "dequantize_affine_np"]
 
 
 def available() -> bool:
@@ -45,8 +48,12 @@ def available() -> bool:
 
 
 def enabled() -> bool:
-    """available() and not switched off with GEMMA4_MLX_CPU_MATVEC=off."""
-    return available() and os.environ.get(ENV_VAR, "").strip().lower() not in _OFF_VALUES
+    """available() and not switched off with GEMMA4_MLX_CPU_MATVEC=off (which also switches an
+    installed sgemm hook to plain forwarding, from this call on)."""
+    on = available() and os.environ.get(ENV_VAR, "").strip().lower() not in _OFF_VALUES
+    if _hook["installed"]:
+        _native.sgemm_hook_state(1 if on else 0)
+    return on
 
 
 def unavailable_reason() -> str | None:
@@ -77,7 +84,9 @@ def describe() -> str:
     reason = unavailable_reason()
     if reason is not None:
         return f"CPU matvec: MLX (native matvec unused: {reason})"
-    return f"CPU matvec: native ({_native.simd()}, {threads()} threads) for the head at <= {MAX_ROWS} rows"
+    hook = "MLX f32 matmuls too" if _hook["installed"] else f"MLX f32 matmuls: {_hook['reason']}"
+    return (f"CPU matvec: native ({_native.simd()}, {threads()} threads) for the head at <= {MAX_ROWS} rows; "
+            f"{hook}")
 
 
 def _require():
@@ -135,6 +144,102 @@ def matmul_affine(x, w, scales, biases, bits: int):
     t = threads()
     return _call(lambda xv, wv, sv, bv, out: lib.matmul_affine(xv, wv, sv, bv, out, bits, t),
                  x, w, scales, biases, w.shape[0])
+
+
+# ------------------------------------------------------------------------------------------------
+# MLX's own f32 matmuls at 1..8 rows (the decoder layers' linears inside the compiled step)
+
+def install_sgemm_hook() -> bool:
+    """Route MLX's f32 matmuls of 1..8 rows (x @ W.T) through the native matvec; True if in place.
+
+    MLX's Linux CPU backend calls ``cblas_sgemm`` for every f32 matmul, M = 1 included, through
+    its lazily bound GOT slot (see blas.py). This writes the extension's hook into that slot; the
+    hook serves row-major x @ W.T calls with 1..8 rows and forwards every other call (prefill
+    GEMMs) to the BLAS the slot held (the preloaded OpenBLAS / MKL, or the bundled reference).
+    Checked before it stays: the slot must be resolved and writable, and an MLX matvec must go
+    through the hook and match numpy. Idempotent; never raises (the reason is in hook_status()).
+    Linux + MLX's CPU build only; nothing on macOS or with a GPU build of MLX."""
+    if _hook["tried"]:
+        return _hook["installed"]
+    _hook["tried"] = True
+    try:
+        _hook["reason"] = _install_hook()
+    except Exception as exc:  # an optional speed-up must never break a forward
+        _hook["reason"] = f"not installed: {exc!r}"
+    _hook["installed"] = _hook["reason"] == "installed"
+    return _hook["installed"]
+
+
+def hook_status() -> dict:
+    """{'installed': bool, 'reason': str, 'calls': matvec calls the hook served}."""
+    calls = _native.sgemm_hook_state()[2] if _native is not None else 0
+    return {"installed": _hook["installed"], "reason": _hook["reason"], "calls": calls}
+
+
+def set_hook_enabled(on: bool) -> None:
+    """Switch the hook's matvec path (off: every call goes to the BLAS); for comparisons."""
+    if _native is not None:
+        _native.sgemm_hook_state(1 if on else 0)
+
+
+def _install_hook() -> str:
+    import ctypes
+    import sys
+
+    import mlx.core as mx
+
+    from . import blas
+
+    if not enabled():
+        return f"not installed: {unavailable_reason()}"
+    if not sys.platform.startswith("linux") or not blas._mlx_cpu_blas_in_use():
+        return "not installed: not MLX's Linux CPU build"
+    a = mx.ones((2, 8), dtype=mx.float32)
+    mx.eval(mx.matmul(a, a.T, stream=mx.cpu))  # binds the lazy slot now
+    libmlx = blas._loaded_library("libmlx.so")
+    slot = None if libmlx is None else blas._got_slot(libmlx, "cblas_sgemm")
+    if slot is None:
+        return "not installed: libmlx's cblas_sgemm slot not found"
+    dl = blas._dl()
+    handle = ctypes.CDLL(libmlx, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)._handle
+    link_map = ctypes.c_void_p()
+    if dl.dlinfo(ctypes.c_void_p(handle), 2, ctypes.byref(link_map)) != 0:  # RTLD_DI_LINKMAP
+        return "not installed: dlinfo failed"
+    address = ctypes.c_size_t.from_address(link_map.value).value + slot
+    if not _writable(address):
+        return "not installed: libmlx's GOT is read-only (full RELRO)"
+    cell = ctypes.c_void_p.from_address(address)
+    current = cell.value
+    where = blas._dladdr_path(current)
+    if where is None or os.path.realpath(where) == os.path.realpath(libmlx):
+        return "not installed: cblas_sgemm is not bound yet"
+    hook = _native.sgemm_hook(current, threads(), 1)
+    cell.value = hook
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((3, 100), dtype=np.float32), rng.standard_normal((37, 100), dtype=np.float32)
+    before = _native.sgemm_hook_state()[2]
+    got = np.array(mx.matmul(mx.array(x), mx.array(w).T, stream=mx.cpu))
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    served = _native.sgemm_hook_state()[2] - before
+    if served != 1 or np.abs(got - ref).max() > 1e-5 * np.abs(ref).max():
+        cell.value = current
+        _native.sgemm_hook_state(0)
+        return f"not installed: check failed (calls served {served})"
+    return "installed"
+
+
+def _writable(address: int) -> bool:
+    """The page holding `address` is mapped writable in this process (/proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                span, perms = line.split()[:2]
+                lo, hi = (int(v, 16) for v in span.split("-"))
+                if lo <= address < hi:
+                    return "w" in perms
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 # ------------------------------------------------------------------------------------------------

@@ -297,7 +297,8 @@ class Model(nn.Module):
     def native_head_ready(self, y: mx.array | None = None) -> bool:
         """True when `logits` would run the head through the native CPU matvec: CPU device, the
         extension built and enabled, an f32/bf16 or affine 4/8-bit tied embedding, and (given y)
-        at most cpu_matvec.MAX_ROWS rows."""
+        at most cpu_matvec.MAX_ROWS rows. The first True also installs cpu_matvec's sgemm hook,
+        so MLX's own f32 matmuls of <= 8 rows (the decoder layers, compiled) run natively too."""
         from . import cpu_matvec
         from .quantized import QuantizedEmbedding
 
@@ -307,8 +308,12 @@ class Model(nn.Module):
             return False
         emb = self.model.embed_tokens
         if isinstance(emb, QuantizedEmbedding):
-            return emb.bits in (4, 8) and emb.group_size == 32 and emb.scales.dtype == mx.float32
-        return type(emb) is nn.Embedding and emb.weight.dtype in (mx.float32, mx.bfloat16)
+            ready = emb.bits in (4, 8) and emb.group_size == 32 and emb.scales.dtype == mx.float32
+        else:
+            ready = type(emb) is nn.Embedding and emb.weight.dtype in (mx.float32, mx.bfloat16)
+        if ready:
+            cpu_matvec.install_sgemm_hook()  # once: MLX's f32 matmuls at <= 8 rows (the layers) too
+        return ready
 
     def _native_head(self, y: mx.array) -> mx.array | None:
         """Head logits fp32 [..., V] through cpu_matvec; None inside a function transformation

@@ -226,3 +226,34 @@ def test_head_reads_an_exact_bf16_copy_only(native, dense_fixture, monkeypatch):
     y = model.model(mx.array([[2, 300, 301]]))
     want = np.array(_mlx_head(model, y))
     assert np.abs(np.array(model.logits(y)) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_sgemm_hook_serves_mlx_matvecs_and_forwards_the_rest(native):
+    if not cpu_matvec.install_sgemm_hook():
+        reason = cpu_matvec.hook_status()["reason"]
+        from gemma4_mlx import blas
+
+        if blas._mlx_cpu_blas_in_use():  # MLX's Linux CPU build: the hook must go in
+            pytest.fail(reason)
+        pytest.skip(reason)
+    assert cpu_matvec.describe().endswith("MLX f32 matmuls too")
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((300, 72), dtype=np.float32)
+    for m, served in ((1, 1), (8, 1), (9, 0), (64, 0)):
+        x = rng.standard_normal((m, 72), dtype=np.float32)
+        before = cpu_matvec.hook_status()["calls"]
+        got = np.array(mx.matmul(mx.array(x), mx.array(w).T, stream=mx.cpu))
+        assert cpu_matvec.hook_status()["calls"] - before == served, m
+        assert _rel_err(got, cpu_matvec.reference_matmul(x, w)) < 2e-6, m
+    x = rng.standard_normal((2, 300), dtype=np.float32)  # x @ W (B not transposed): forwarded
+    before = cpu_matvec.hook_status()["calls"]
+    got = np.array(mx.matmul(mx.array(x), mx.array(w), stream=mx.cpu))
+    assert cpu_matvec.hook_status()["calls"] == before
+    assert _rel_err(got, x.astype(np.float64) @ w.astype(np.float64)) < 2e-6
+    cpu_matvec.set_hook_enabled(False)
+    try:
+        before = cpu_matvec.hook_status()["calls"]
+        mx.eval(mx.matmul(mx.array(w[:1]), mx.array(w).T, stream=mx.cpu))
+        assert cpu_matvec.hook_status()["calls"] == before
+    finally:
+        cpu_matvec.set_hook_enabled(True)
