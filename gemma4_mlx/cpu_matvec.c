@@ -42,6 +42,11 @@
 #define MAX_ROWS 8
 #define MAX_THREADS 256
 #define GROUP 32
+/* The sgemm hook splits a matrix over threads only from this many weight bytes per thread on:
+ * starting a thread costs ~10-50 us on an idle core and milliseconds when the other cores are
+ * busy (a shared 2-core machine: the layers' 4-8 MB matvecs ran 7x slower on 2 threads than on
+ * 1 there), while one core streams ~10-25 GB/s. */
+#define MIN_BYTES_PER_THREAD (16LL << 20)
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_Q4 = 2, KIND_Q8 = 3 };
 
@@ -355,7 +360,8 @@ static void sgemm_hook(int order, int trans_a, int trans_b, int M, int N, int K,
         job.y = C;
         job.y_stride = ldc;
         job.avx2 = g_avx2;
-        run_job(&job, g_sgemm_threads);
+        const int64_t by_size = (int64_t)N * K * 4 / MIN_BYTES_PER_THREAD;
+        run_job(&job, by_size < 1 ? 1 : by_size < g_sgemm_threads ? (int)by_size : g_sgemm_threads);
 #if defined(__GNUC__) || defined(__clang__)
         __atomic_fetch_add(&g_sgemm_hits, 1, __ATOMIC_RELAXED);
 #endif
@@ -604,6 +610,12 @@ done:
     return result;
 }
 
+static PyObject *py_min_bytes(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyLong_FromLongLong(MIN_BYTES_PER_THREAD);
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
@@ -638,6 +650,8 @@ static PyMethodDef methods[] = {
      "go to (the caller then writes the returned address into libmlx's GOT slot)"},
     {"sgemm_hook_state", py_sgemm_hook_state, METH_VARARGS,
      "sgemm_hook_state([on]) -> (hook address, on, calls served): switch the matvec path of the hook"},
+    {"min_bytes_per_thread", py_min_bytes, METH_NOARGS,
+     "min_bytes_per_thread() -> int: weight bytes per thread below which the hook uses fewer threads"},
     {"simd", py_simd, METH_NOARGS, "simd() -> 'avx2+fma' or 'scalar': the inner loops in use"},
     {"set_simd", py_set_simd, METH_VARARGS, "set_simd('auto' | 'scalar'): pick the inner loops (tests)"},
     {NULL, NULL, 0, NULL},

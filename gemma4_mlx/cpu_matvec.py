@@ -79,6 +79,11 @@ def threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _threads_for(weight_bytes: int) -> int:
+    """threads(), fewer for a small weight (cpu_matvec.c: MIN_BYTES_PER_THREAD per thread)."""
+    return max(1, min(threads(), weight_bytes // _native.min_bytes_per_thread()))
+
+
 def describe() -> str:
     """One line for --verbose, e.g. 'CPU matvec: native (avx2+fma, 2 threads)'."""
     reason = unavailable_reason()
@@ -127,7 +132,7 @@ def matmul(x, weight):
     import mlx.core as mx
 
     lib = _require()
-    t = threads()
+    t = _threads_for(weight.nbytes)
     if weight.dtype == mx.float32:
         return _call(lambda xv, wv, out: lib.matmul_f32(xv, wv, out, t), x, weight, weight.shape[0])
     if weight.dtype == mx.bfloat16:
@@ -141,7 +146,7 @@ def matmul_affine(x, w, scales, biases, bits: int):
 
     w: uint32 [N, K * bits / 32] (MLX affine, group 32), scales / biases float32 [N, K / 32]."""
     lib = _require()
-    t = threads()
+    t = _threads_for(w.nbytes + scales.nbytes + biases.nbytes)
     return _call(lambda xv, wv, sv, bv, out: lib.matmul_affine(xv, wv, sv, bv, out, bits, t),
                  x, w, scales, biases, w.shape[0])
 
