@@ -21,12 +21,16 @@ Ops (activations bf16, f32 or f16; output dtype = activation dtype; f32 accumula
   [E, 2F, ...] whose rows 0..F-1 are gate and F..2F-1 up (``ffn_gate_up_exps``) ->
   gelu_tanh(gate) * up, [M, k, F], computed in f32 and rounded once.
 - ``quant_matvec(x, blocks, ggml_type, n)``: the dense op chosen by GGML type id (2, 8, 14).
+- ``q4_0_moe_down(x, ids, weights, blocks, n)``: MoE down projection fused with the router-weighted
+  sum over the k slots: x [M, k, K], ids/weights [M, k] -> [M, N] (one launch on CUDA).
 
 On a GPU build with at most 8 activation rows these run the custom kernel; on CPU, for M > 8, or
 with ``GEMMA4_MLX_KERNELS=reference`` they run the pure-MLX reference (dequantize to f32, matmul,
 cast), which is also the test oracle's twin (on CUDA, MLX's f32 matmul uses TF32, so the
 reference is then only accurate to ~1e-3 relative; the kernels accumulate in true f32). On CUDA,
-Q4_0 with bf16 activations and M >= 2 runs a tensor-core variant (mma.sync, see below). The CPU model path may prefer the lossless MLX-affine
+Q4_0 with bf16 activations runs the "stream" kernels (cp.async staging + mma.sync, see below) for
+dense M >= 2 and every expert form, when a row is an even number of blocks (else the older
+tensor-core kernel for M >= 2). The CPU model path may prefer the lossless MLX-affine
 mapping with ``mx.quantized_matmul`` (gemma4_mlx.quants) for memory; that choice belongs to the
 caller.
 
@@ -1228,13 +1232,22 @@ def plan_stream(kind: str, m: int, n: int, k: int, slots: int = 1, x_per_pair: b
     return LaunchPlan(template, grid, (threads, 1, 1), out_shape)
 
 
-STREAM_KERNELS = False
-"""Whether dispatch sends Q4_0 with bf16 activations to the CUDA stream kernels (M = 1..8, dense,
-gathered, fused gate/up, fused down + weighted sum). Set after they passed ``pytest -m gpu`` on the
-H200 and measured faster in bench/kernels.py (bench/NOTES.md)."""
+STREAM_KERNELS = True
+"""Whether dispatch sends Q4_0 with bf16 activations on CUDA to the stream kernels: dense at
+M >= STREAM_MIN_ROWS (replacing the tensor-core kernel), gathered, fused gate/up and fused down +
+weighted sum at any M <= 8. Passed ``pytest -m gpu`` on the H200 and measured faster there
+(bench/NOTES.md, 2026-11-29): 31B FFN gate M = 8 38-39 us vs 45 us (mma); 26B-A4B expert step
+with the router-weighted sum 24.6 us vs 52.2 us."""
+
+STREAM_MIN_ROWS = 2
+"""Dense M below this keeps the f32-FMA kernel: at M = 1 the stream kernel measured the same
+(31.9-32.9 us vs 31.9-32.3 us at the 31B FFN gate shape, within noise), so it is not promoted there."""
 
 
-def _use_stream(x_dtype: mx.Dtype, k: int) -> bool:
+def _use_stream(x_dtype: mx.Dtype, k: int, rows: int | None = None) -> bool:
+    """Stream kernels for this call? ``rows``: M of a dense call (None for the expert forms)."""
+    if rows is not None and rows < STREAM_MIN_ROWS:
+        return False
     return STREAM_KERNELS and backend() == "cuda" and stream_supported(x_dtype, k)
 
 
@@ -1302,7 +1315,7 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     if use_reference() or not 1 <= m <= MAX_ROWS:
         return matvec_reference(x, blocks, ggml_type, n)
     x2 = x.reshape(m, x.shape[-1])
-    if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1]):
+    if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1], m):
         out = launch_dense_stream(x2, blocks, n)
     elif ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
         out = launch_dense_mma(x2, blocks, n)

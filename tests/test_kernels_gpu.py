@@ -186,7 +186,7 @@ def test_q4_0_stream_dense_kernel():
             x, x64 = _acts(rng, (m, k), mx.bfloat16)
             want, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
             cfgs = (None, qm.StreamConfig(2, 2, 3), qm.StreamConfig(1, 1, 2, 64), qm.StreamConfig(1, 2, 2, 32),
-                    qm.StreamConfig(1, 4, 2, 16)) if m in (1, 8) and k == 5376 else (None,)  # fmt: skip
+                    qm.StreamConfig(1, 4, 2, 16), qm.StreamConfig(1, 8, 2)) if m in (1, 8) and k == 5376 else (None,)  # fmt: skip
             for cfg in cfgs:
                 out = qm.launch_dense_stream(x, blocks, n, config=cfg, init_value=NAN)
                 assert out.shape == (m, n) and out.dtype == mx.bfloat16
@@ -272,6 +272,7 @@ def test_stream_dispatch(monkeypatch):
     """With STREAM_KERNELS on, the public Q4_0 ops (dense, gathered, gate/up, moe_down) use the
     stream kernels for bf16 and stay as accurate; f32 activations keep the FMA kernel."""
     monkeypatch.setattr(qm, "STREAM_KERNELS", True)
+    monkeypatch.setattr(qm, "STREAM_MIN_ROWS", 1)
     rng = np.random.default_rng(21)
     raw = qm.random_blocks(rng, qm.Q4_0, (300,), 512)
     w64 = qm.dequantize_f64(raw, qm.Q4_0)
