@@ -233,7 +233,8 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
             sec = time_rotating(calls, quick)
             rows.append(dict(model=model, name=name, impl="q4_0_matvec_stream", N=n, K=k, M=m, sets=sets,
                              time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
-                             config=[scfg.tiles, scfg.warps, scfg.stages, scfg.group_blocks], **host_split(calls[:8], quick)))  # fmt: skip
+                             config=[scfg.tiles, scfg.warps, scfg.stages, scfg.group_blocks, int(scfg.rotate)],
+                             **host_split(calls[:8], quick)))  # fmt: skip  # fmt: skip
         if mma and on_gpu and ggml_type == qm.Q4_0 and dtype == mx.bfloat16 and custom_kernels.backend() == "cuda":
             mcfg = mma if isinstance(mma, qm.MmaConfig) else qm.default_mma_config(n)
             calls = [lambda w=w: qm.launch_dense_mma(x, w, n, config=mcfg) for w in weights]
@@ -307,7 +308,7 @@ def expert_case(model, ex, h, dtype, quick, on_gpu, stream_configs=None, with_ml
     for impl, fn, cfg in variants:
         calls = [lambda i=i, fn=fn: fn(i) for i in range(sets)]
         sec = time_rotating(calls, quick)
-        extra = {} if cfg is None else {"config": [cfg.tiles, cfg.warps, cfg.stages, cfg.group_blocks]}
+        extra = {} if cfg is None else {"config": [cfg.tiles, cfg.warps, cfg.stages, cfg.group_blocks, int(cfg.rotate)]}
         rows.append(dict(model=model, name=label, impl=impl, N=2 * f, K=h, M=1, E=e, sets=sets, time_us=sec * 1e6,
                          bytes=nbytes, GBps=nbytes / sec / 1e9, **extra, **host_split(calls, quick)))  # fmt: skip
     if not with_mlx:
@@ -360,8 +361,8 @@ def sweep(dtype, quick, on_gpu):
 # --------------------------------------------------------------------------------------------
 
 
-STREAM_SWEEP = [(1, 4, 4, 8), (1, 4, 2, 16), (1, 2, 2, 32), (1, 1, 2, 64), (1, 2, 4, 16), (1, 1, 2, 32),
-                (2, 1, 2, 32), (1, 2, 3, 16), (1, 8, 2, 8)]  # (tiles, warps, stages, group_blocks)
+STREAM_SWEEP = [(1, 4, 4, 8), (1, 4, 4, 8, True), (1, 8, 2, 8, True), (1, 4, 2, 16, True), (1, 2, 2, 32, True),
+                (1, 4, 2, 16), (1, 8, 2, 8), (1, 2, 2, 32), (1, 2, 3, 16)]  # (tiles, warps, stages, group_blocks, rotate)
 
 
 def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:

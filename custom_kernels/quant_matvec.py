@@ -972,10 +972,14 @@ _STREAM_BODY_CUDA = r"""
       }
     }
   };
-  auto issue = [&](int grp) {
-    if (grp >= ngroups) return;
+  // ROT: warp (tile group) u reads its row groups starting at group u % ngroups (then wraps), so
+  // the ~thousands of rows streamed at once are not all read at the same offset
+  const int rot = ROT ? unit % ngroups : 0;
+  auto issue = [&](int j) {  // j-th group of this warp's sequence -> stage slot j % ST
+    if (j >= ngroups) return;
+    const int grp = ROT ? (j + rot) % ngroups : j;
     const int nvalid = min(GB, nblocks - GB * grp);
-    const int slot = grp % ST;
+    const int slot = j % ST;
     if (aligned) {
       if (nvalid == GB) {
         copy_group(grp, slot, GBYTES / CH);
@@ -1006,12 +1010,13 @@ _STREAM_BODY_CUDA = r"""
     const __nv_bfloat16* xr = x + (size_t)xrow * K + 4 * t;
     _Pragma("unroll") for (int i = 0; i < TILES; ++i) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
     _Pragma("unroll") for (int s = 0; s < ST - 1; ++s) { issue(s); g4_cp_async_commit(); }
-    for (int grp = 0; grp < ngroups; ++grp) {
-      issue(grp + ST - 1);
+    for (int j = 0; j < ngroups; ++j) {
+      issue(j + ST - 1);
       g4_cp_async_commit();
-      g4_cp_async_wait<ST - 1>();  // group grp has landed (this lane's copies) ...
+      g4_cp_async_wait<ST - 1>();  // group j has landed (this lane's copies) ...
       __syncwarp();                // ... and every lane's
-      const uint32_t* S = stage + (grp % ST) * SLOT;
+      const int grp = ROT ? (j + rot) % ngroups : j;
+      const uint32_t* S = stage + (j % ST) * SLOT;
       const unsigned short* S16 = reinterpret_cast<const unsigned short*>(S);
       const int nvalid = min(GB, nblocks - GB * grp);
       _Pragma("unroll 2") for (int bl = 0; bl < nvalid; ++bl) {
@@ -1151,6 +1156,7 @@ class StreamConfig:
     warps: int = 4
     stages: int = 4
     group_blocks: int = 8  # blocks per staged row piece (one contiguous read of each row per stage)
+    rotate: bool = False  # each warp starts at its own row group (unit % groups) and wraps around
 
     def __post_init__(self):
         if self.tiles not in (1, 2, 4) or self.warps not in (1, 2, 4, 8) or not 2 <= self.stages <= 8:
@@ -1186,7 +1192,7 @@ def _stream_def(kind: str) -> _KernelDef:
         name = {"dense": "g4_q4_0_matvec_stream", "gather": "g4_q4_0_matvec_gather_stream",
                 "gate_up": "g4_q4_0_gate_up_gather_stream", "down_sum": "g4_q4_0_down_sum_gather_stream"}[kind]
         inputs = {"dense": ("x", "wq"), "down_sum": ("x", "ids", "wts", "wq")}.get(kind, ("x", "ids", "wq"))
-        tmpl = ("T",) + (("M",) if kind == "dense" else ()) + ("TILES", "NW", "ST", "GB", "CH")
+        tmpl = ("T",) + (("M",) if kind == "dense" else ()) + ("TILES", "NW", "ST", "GB", "ROT", "CH")
         tmpl += ("XPP",) if kind == "gather" else ()
         loop, begin, end = _STREAM_SLOTS.get(kind, _ONE_PASS)
         body = _STREAM_BODY_CUDA.replace("@KIND@", str(_STREAM_KINDS[kind]))
@@ -1222,7 +1228,8 @@ def plan_stream(kind: str, m: int, n: int, k: int, slots: int = 1, x_per_pair: b
     if not ch:
         raise ValueError(f"stream kernels: K={k} gives rows of an odd number of blocks")
     template: list = [("T", "bfloat16")] + ([("M", m)] if kind == "dense" else [])
-    template += [("TILES", cfg.tiles), ("NW", cfg.warps), ("ST", cfg.stages), ("GB", cfg.group_blocks), ("CH", ch)]
+    template += [("TILES", cfg.tiles), ("NW", cfg.warps), ("ST", cfg.stages), ("GB", cfg.group_blocks),
+                 ("ROT", int(cfg.rotate)), ("CH", ch)]
     if kind == "gather":
         template.append(("XPP", int(bool(x_per_pair))))
     rows_per_block = (8 if kind == "gate_up" else 16) * cfg.tiles * (1 if kind == "down_sum" else cfg.warps)
@@ -1589,8 +1596,9 @@ def _stream_cases(kind: str):
             return [_stream_case(rng, kind, 1, 37, 1024, 1, 0, False, s(1, 2, 2, 32)),
                     _stream_case(rng, kind, 8, 70, 704, 1, 0, False, s(2, 2, 3)),
                     _stream_case(rng, kind, 3, 33, 384, 1, 0, False, s(1, 4, 4)),
-                    _stream_case(rng, kind, 2, 19, 2816, 1, 0, False, s(1, 1, 2, 64))]  # fmt: skip
-        return [_stream_case(rng, kind, 1, 19, 1024, 4, 6, False, s(1, 2, 3)),
+                    _stream_case(rng, kind, 2, 19, 2816, 1, 0, False, s(1, 1, 2, 64)),
+                    _stream_case(rng, kind, 1, 45, 5376, 1, 0, False, s(1, 2, 3, 16, True))]  # fmt: skip
+        return [_stream_case(rng, kind, 1, 19, 1024, 4, 6, False, s(1, 2, 3, 8, True)),
                 _stream_case(rng, kind, 2, 21, 320, 2, 5, kind == "gather", s(2, 1, 2)),
                 _stream_case(rng, kind, 1, 9, 704, 3, 4, kind == "gather", s(1, 2, 4, 16))]  # fmt: skip
 

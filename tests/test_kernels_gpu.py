@@ -186,7 +186,8 @@ def test_q4_0_stream_dense_kernel():
             x, x64 = _acts(rng, (m, k), mx.bfloat16)
             want, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
             cfgs = (None, qm.StreamConfig(2, 2, 3), qm.StreamConfig(1, 1, 2, 64), qm.StreamConfig(1, 2, 2, 32),
-                    qm.StreamConfig(1, 4, 2, 16), qm.StreamConfig(1, 8, 2)) if m in (1, 8) and k == 5376 else (None,)  # fmt: skip
+                    qm.StreamConfig(1, 4, 2, 16), qm.StreamConfig(1, 8, 2), qm.StreamConfig(1, 4, 4, 8, True),
+                    qm.StreamConfig(1, 2, 2, 32, True)) if m in (1, 8) and k == 5376 else (None,)  # fmt: skip
             for cfg in cfgs:
                 out = qm.launch_dense_stream(x, blocks, n, config=cfg, init_value=NAN)
                 assert out.shape == (m, n) and out.dtype == mx.bfloat16
@@ -256,7 +257,8 @@ def test_q4_0_stream_down_sum_kernel():
             x, x64 = _acts(rng, (m, slots, k), mx.bfloat16)
             per, mag = _expert_products(w64, x64.reshape(-1, k), ids, True)  # [M, k, N]
             want, bound = np.einsum("ms,msn->mn", wts, per), np.einsum("ms,msn->mn", wts, mag)
-            for cfg in (None, qm.StreamConfig(1, 4, 4), qm.StreamConfig(2, 2, 3), qm.StreamConfig(1, 4, 2, 16)):
+            for cfg in (None, qm.StreamConfig(1, 4, 4), qm.StreamConfig(2, 2, 3), qm.StreamConfig(1, 4, 2, 16),
+                        qm.StreamConfig(1, 8, 2, 8, True)):  # fmt: skip
                 out = qm.launch_down_sum_stream(x, mx.array(ids), mx.array(wts), blocks, n, config=cfg, init_value=NAN)
                 assert out.shape == (m, n) and out.dtype == mx.bfloat16
                 _check(out, want, bound, mx.bfloat16, f"stream down_sum M={m} N={n} K={k} {cfg}")
