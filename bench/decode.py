@@ -1052,14 +1052,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2 or args.rounds < 1 or args.warmup < 0:
         ap.error("--steps >= 2, --rounds >= 1, --warmup >= 0")
 
-    if args.readme_table:
+    if args.readme_table or args.results:  # --results means "report on these", never "run"
         path = args.results or latest_results()
         if not path:
             print("no results: run bench/decode.py first", file=sys.stderr)
             return 1
         with open(path) as fh:
             doc = json.load(fh)
-        print(readme_table(doc))
+        if args.readme_table or not args.plot:
+            print(readme_table(doc))
         if args.plot:
             plot(doc, args.plot_out or default_plot_path(doc))
         return 0
