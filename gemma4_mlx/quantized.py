@@ -138,6 +138,9 @@ class BlockExperts(nn.Module):
         x2 = x.reshape(-1, self.hidden)
         ids = indices.reshape(x2.shape[0], -1).astype(mx.int32)
         gate_up = gate_up_gather(x2, ids, self.gate_up_blocks, self.width)  # [M, k, F]
+        w = weights.reshape(ids.shape)
+        if self.down_type == Q4_0:  # down projection and router-weighted sum in one pass (f32 sums)
+            y = qm.q4_0_moe_down(gate_up, ids, w, self.down_blocks, self.hidden)
+            return y.reshape(*lead, self.hidden)
         y = matvec_gather(gate_up, ids, self.down_blocks, self.hidden)  # [M, k, H]
-        w = weights.reshape(ids.shape)[..., None]
-        return (y.astype(mx.float32) * w).sum(axis=-2).astype(x.dtype).reshape(*lead, self.hidden)
+        return (y.astype(mx.float32) * w[..., None]).sum(axis=-2).astype(x.dtype).reshape(*lead, self.hidden)
