@@ -27,7 +27,7 @@ pytestmark = [
 ]
 
 VARIANTS = ("dense", "moe", "eseries")
-ALL_KERNELS = "attention,sampling"
+ALL_KERNELS = "attention,sampling,quant_matvec_stream"
 GREEDY_TOKENS = 64
 MARGIN = 1.0  # a top-2 logit margin above this must not flip between the paths
 
