@@ -824,6 +824,7 @@ def main(argv=None) -> int:
         "agreement": agreement(runs),
         "profile": profile,
         "prefill_profile": prefill_profile,
+        "cpu_matvec_end": {"describe": cpu_matvec.describe(), "sgemm_hook": cpu_matvec.hook_status()},
         "loadavg_end": os.getloadavg(),
         "elapsed_s": (datetime.datetime.now() - started).total_seconds(),
     }
