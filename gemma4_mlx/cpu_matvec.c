@@ -19,7 +19,10 @@
  *   matmul_f32(x, w, out, threads)                      x [M, K] f32, w [N, K] f32, out [M, N] f32
  *   matmul_bf16(x, w, out, threads)                     w [N, K] uint16 (or MLX bfloat16)
  *   matmul_affine(x, w, scales, biases, out, bits, threads)
- *   simd() -> str                                       "avx2+fma" or "scalar"
+ *   simd() -> str / set_simd("auto" | "scalar")         the inner loops in use / force the scalar ones
+ *   sgemm_hook(next_address, threads, on) -> address    a cblas_sgemm for libmlx's GOT (see below;
+ *   sgemm_hook_state([on]) -> (address, on, calls)      installed by cpu_matvec.install_sgemm_hook)
+ *   min_bytes_per_thread() -> int
  * threads <= 0 means 1. The GIL is released while the worker threads run.
  */
 
