@@ -438,6 +438,9 @@ class Headless(nn.Module):
     def logits(self, h: mx.array) -> mx.array:
         return h
 
+    def native_head_ready(self, y: mx.array | None = None) -> bool:
+        return False  # no head to run outside the compiled step
+
 
 def _first_arg_dims(m) -> int:
     if isinstance(m, BlockLinear):
