@@ -14,5 +14,11 @@ warnings.filterwarnings("ignore", message=r"'gemma4_mlx\.\w+' found in sys\.modu
 
 from .generate import generate, load, stream_generate  # noqa: E402  (after the BLAS preload)
 from .sampling import make_logits_processors, make_sampler  # noqa: E402
+from .cpu_matvec import install_sgemm_hook as _install_sgemm_hook  # noqa: E402
+
+# MLX's Linux CPU build: its f32 matmuls of 1..8 rows (the decoder's linears) go through the native
+# matvec, every other BLAS call through the preloaded BLAS (verified once; a no-op elsewhere, and
+# with GEMMA4_MLX_CPU_MATVEC=off).
+_install_sgemm_hook()
 
 __all__ = ["load", "generate", "stream_generate", "make_sampler", "make_logits_processors"]

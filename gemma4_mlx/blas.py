@@ -157,10 +157,10 @@ def quantized_matmul_strategy(rows: int) -> str:
     return "quantized_matmul"
 
 
-def sgemm_provider(symbol: str = "cblas_sgemm") -> str | None:
-    """Real path of the library that the loaded libmlx.so's PLT/GOT slot for ``symbol`` is
-    bound to, or None (not Linux, libmlx not loaded, or not bound yet: libmlx binds lazily,
-    on the first f32 matmul). Reads the slot address from libmlx's ELF relocations."""
+def got_cell(symbol: str = "cblas_sgemm") -> ctypes.c_void_p | None:
+    """The loaded libmlx.so's GOT slot for ``symbol`` as a ctypes pointer cell (read or written in
+    place), or None (not Linux, libmlx not loaded, no such relocation). Reads the slot's offset from
+    libmlx's ELF relocations; libmlx binds it lazily, on the first f32 matmul."""
     if not sys.platform.startswith("linux"):
         return None
     libmlx = _loaded_library("libmlx.so")
@@ -169,15 +169,28 @@ def sgemm_provider(symbol: str = "cblas_sgemm") -> str | None:
     slot = _got_slot(libmlx, symbol)
     if slot is None:
         return None
-    dl = _dl()
     handle = ctypes.CDLL(libmlx, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)._handle
     link_map = ctypes.c_void_p()
-    if dl.dlinfo(ctypes.c_void_p(handle), 2, ctypes.byref(link_map)) != 0:  # RTLD_DI_LINKMAP
+    if _dl().dlinfo(ctypes.c_void_p(handle), 2, ctypes.byref(link_map)) != 0:  # RTLD_DI_LINKMAP
         return None
     load_bias = ctypes.c_size_t.from_address(link_map.value).value  # struct link_map.l_addr
-    target = ctypes.c_void_p.from_address(load_bias + slot).value
+    return ctypes.c_void_p.from_address(load_bias + slot)
+
+
+def sgemm_provider(symbol: str = "cblas_sgemm") -> str | None:
+    """Real path of the library that the loaded libmlx.so's slot for ``symbol`` is bound to (through
+    cpu_matvec's sgemm hook, when that is in place, the library it forwards to), or None (not
+    Linux, libmlx not loaded, or not bound yet)."""
+    cell = got_cell(symbol)
+    if cell is None:
+        return None
+    target = cell.value
+    if symbol == "cblas_sgemm" and __package__:  # (not in the check child, which runs this file alone)
+        from .cpu_matvec import sgemm_hook_forward_target
+
+        target = sgemm_hook_forward_target(target)
     where = _dladdr_path(target)
-    if where is None or os.path.realpath(where) == os.path.realpath(libmlx):
+    if where is None or os.path.realpath(where) == os.path.realpath(_loaded_library("libmlx.so")):
         return None  # still points at libmlx's own PLT stub
     return os.path.realpath(where)
 

@@ -26,6 +26,7 @@ import numpy as np
 MAX_ROWS = 8
 ENV_VAR = "GEMMA4_MLX_CPU_MATVEC"
 THREADS_ENV_VAR = "GEMMA4_MLX_CPU_MATVEC_THREADS"
+HEAD_BF16_ENV_VAR = "GEMMA4_MLX_CPU_HEAD_BF16"
 _OFF_VALUES = {"off", "0", "no", "false", "none"}
 
 try:
@@ -38,7 +39,7 @@ except ImportError as exc:  # not built (no compiler at install time) or a stale
 _hook: dict = {"tried": False, "installed": False, "reason": "not tried"}
 
 __all__ = ["MAX_ROWS", "available", "enabled", "unavailable_reason", "describe", "threads", "matmul",
-           "matmul_affine", "install_sgemm_hook", "hook_status", "set_hook_enabled", "reference_matmul",
+           "matmul_affine", "head_ready", "head_logits", "install_sgemm_hook", "hook_status", "set_hook_enabled", "reference_matmul",
            "reference_affine", "dequantize_affine_np"]
 
 
@@ -152,6 +153,66 @@ def matmul_affine(x, w, scales, biases, bits: int):
 
 
 # ------------------------------------------------------------------------------------------------
+# The model's tied head (Model.logits) on the CPU
+
+def head_ready(model, y=None) -> bool:
+    """True when model.logits(y) should run the tied head here: CPU device, the extension built and
+    enabled, an f32 / bf16 embedding or an affine group-32 4/8-bit one with f32 scales, and (given
+    y [..., H]) at most MAX_ROWS rows."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from .quantized import QuantizedEmbedding
+
+    if mx.default_device() != mx.cpu or not enabled():
+        return False
+    if y is not None and not 1 <= y.size // max(y.shape[-1], 1) <= MAX_ROWS:
+        return False
+    emb = model.model.embed_tokens
+    if isinstance(emb, QuantizedEmbedding):
+        return emb.bits in (4, 8) and emb.group_size == 32 and emb.scales.dtype == mx.float32
+    return type(emb) is nn.Embedding and emb.weight.dtype in (mx.float32, mx.bfloat16)
+
+
+def head_logits(model, y):
+    """Head logits fp32 [..., V] (before the softcap) of y [..., H]; None inside a function
+    transformation (mx.compile, vmap, grad), where nothing may be evaluated."""
+    import mlx.core as mx
+
+    from .quantized import QuantizedEmbedding
+
+    try:
+        mx.eval(y)
+    except ValueError:  # "[eval] Attempting to eval an array during function transformations"
+        return None
+    emb = model.model.embed_tokens
+    if isinstance(emb, QuantizedEmbedding):
+        return matmul_affine(y, emb.weight, emb.scales, emb.biases, emb.bits)
+    return matmul(y, _head_weight(model, emb.weight))
+
+
+def _head_weight(model, weight):
+    """The array the native head reads: a bf16 copy of an f32 embedding whose values are all bf16
+    numbers (a bf16 checkpoint loaded in f32: the copy is exact), else the weight itself. bf16
+    halves the bytes streamed per token (262144 x 1024 head, 2-core EPYC: 17 vs 31 ms,
+    bench/NOTES.md) for +50% of the embedding's memory. Made once per weight array and kept on the
+    model; GEMMA4_MLX_CPU_HEAD_BF16=0 reads the f32 weight instead."""
+    import mlx.core as mx
+
+    if weight.dtype != mx.float32 or os.environ.get(HEAD_BF16_ENV_VAR, "1").strip().lower() in _OFF_VALUES:
+        return weight
+    cached = model.__dict__.get("_head_bf16")
+    if cached is None or cached[0] is not weight:
+        exact = bool(mx.all((weight.view(mx.uint32) & 0xFFFF) == 0).item())
+        copy = weight.astype(mx.bfloat16) if exact else None
+        if copy is not None:
+            mx.eval(copy)
+        cached = (weight, copy)
+        object.__setattr__(model, "_head_bf16", cached)  # not a parameter: bypass Module's setattr
+    return weight if cached[1] is None else cached[1]
+
+
+# ------------------------------------------------------------------------------------------------
 # MLX's own f32 matmuls at 1..8 rows (the decoder layers' linears inside the compiled step)
 
 def install_sgemm_hook() -> bool:
@@ -163,7 +224,8 @@ def install_sgemm_hook() -> bool:
     GEMMs) to the BLAS the slot held (the preloaded OpenBLAS / MKL, or the bundled reference).
     Checked before it stays: the slot must be resolved and writable, and an MLX matvec must go
     through the hook and match numpy. Idempotent; never raises (the reason is in hook_status()).
-    Linux + MLX's CPU build only; nothing on macOS or with a GPU build of MLX."""
+    Linux + MLX's CPU build only; nothing on macOS or with a GPU build of MLX. `import gemma4_mlx`
+    calls it once, after the BLAS preload."""
     if _hook["tried"]:
         return _hook["installed"]
     _hook["tried"] = True
@@ -173,6 +235,13 @@ def install_sgemm_hook() -> bool:
         _hook["reason"] = f"not installed: {exc!r}"
     _hook["installed"] = _hook["reason"] == "installed"
     return _hook["installed"]
+
+
+def sgemm_hook_forward_target(address: int | None) -> int | None:
+    """`address` itself, unless it is the installed sgemm hook: then the cblas_sgemm it forwards to."""
+    if _hook["installed"] and address == _hook.get("address"):
+        return _hook["forward"]
+    return address
 
 
 def hook_status() -> dict:
@@ -199,27 +268,20 @@ def _install_hook() -> str:
         return f"not installed: {unavailable_reason()}"
     if not sys.platform.startswith("linux") or not blas._mlx_cpu_blas_in_use():
         return "not installed: not MLX's Linux CPU build"
+    blas.active()  # record (and verify) the BLAS libmlx resolved, before its slot points here
     a = mx.ones((2, 8), dtype=mx.float32)
     mx.eval(mx.matmul(a, a.T, stream=mx.cpu))  # binds the lazy slot now
-    libmlx = blas._loaded_library("libmlx.so")
-    slot = None if libmlx is None else blas._got_slot(libmlx, "cblas_sgemm")
-    if slot is None:
+    cell = blas.got_cell("cblas_sgemm")
+    if cell is None:
         return "not installed: libmlx's cblas_sgemm slot not found"
-    dl = blas._dl()
-    handle = ctypes.CDLL(libmlx, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)._handle
-    link_map = ctypes.c_void_p()
-    if dl.dlinfo(ctypes.c_void_p(handle), 2, ctypes.byref(link_map)) != 0:  # RTLD_DI_LINKMAP
-        return "not installed: dlinfo failed"
-    address = ctypes.c_size_t.from_address(link_map.value).value + slot
-    if not _writable(address):
+    if not _writable(ctypes.addressof(cell)):
         return "not installed: libmlx's GOT is read-only (full RELRO)"
-    cell = ctypes.c_void_p.from_address(address)
     current = cell.value
-    where = blas._dladdr_path(current)
-    if where is None or os.path.realpath(where) == os.path.realpath(libmlx):
+    if blas.sgemm_provider() is None:
         return "not installed: cblas_sgemm is not bound yet"
     hook = _native.sgemm_hook(current, threads(), 1)
     cell.value = hook
+    _hook.update(address=hook, forward=current)
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal((3, 100), dtype=np.float32), rng.standard_normal((37, 100), dtype=np.float32)
     before = _native.sgemm_hook_state()[2]

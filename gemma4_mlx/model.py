@@ -15,8 +15,9 @@ import mlx.nn as nn
 from custom_kernels import use_kernel
 from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention
 
+from . import cpu_matvec
 from .cache import StaticKVCache
-from .config import FULL, LayerSpec, ModelConfig
+from .config import LayerSpec, ModelConfig
 
 
 def gelu_tanh(x: mx.array) -> mx.array:
@@ -285,8 +286,8 @@ class Model(nn.Module):
         """Tied head and final softcap on final-normed hidden states y [..., H] -> fp32 [..., V].
 
         On the CPU, for 1..8 rows outside mx.compile, the head runs through the native matvec
-        (cpu_matvec.py): y is evaluated here and the logits come back computed (f32 sums)."""
-        logits = self._native_head(y) if self.native_head_ready(y) else None
+        (cpu_matvec.head_logits): y is evaluated here and the logits come back computed."""
+        logits = cpu_matvec.head_logits(self, y) if self.native_head_ready(y) else None
         if logits is None:
             logits = self.model.embed_tokens.as_linear(y).astype(mx.float32)
         cap = self.cfg.final_logit_softcapping
@@ -295,60 +296,8 @@ class Model(nn.Module):
         return logits
 
     def native_head_ready(self, y: mx.array | None = None) -> bool:
-        """True when `logits` would run the head through the native CPU matvec: CPU device, the
-        extension built and enabled, an f32/bf16 or affine 4/8-bit tied embedding, and (given y)
-        at most cpu_matvec.MAX_ROWS rows. The first True also installs cpu_matvec's sgemm hook,
-        so MLX's own f32 matmuls of <= 8 rows (the decoder layers, compiled) run natively too."""
-        from . import cpu_matvec
-        from .quantized import QuantizedEmbedding
-
-        if mx.default_device() != mx.cpu or not cpu_matvec.enabled():
-            return False
-        if y is not None and not 1 <= y.size // max(y.shape[-1], 1) <= cpu_matvec.MAX_ROWS:
-            return False
-        emb = self.model.embed_tokens
-        if isinstance(emb, QuantizedEmbedding):
-            ready = emb.bits in (4, 8) and emb.group_size == 32 and emb.scales.dtype == mx.float32
-        else:
-            ready = type(emb) is nn.Embedding and emb.weight.dtype in (mx.float32, mx.bfloat16)
-        if ready:
-            cpu_matvec.install_sgemm_hook()  # once: MLX's f32 matmuls at <= 8 rows (the layers) too
-        return ready
-
-    def _native_head(self, y: mx.array) -> mx.array | None:
-        """Head logits fp32 [..., V] through cpu_matvec; None inside a function transformation
-        (mx.compile, vmap, grad), where nothing may be evaluated."""
-        from . import cpu_matvec
-        from .quantized import QuantizedEmbedding
-
-        try:
-            mx.eval(y)
-        except ValueError:  # "[eval] Attempting to eval an array during function transformations"
-            return None
-        emb = self.model.embed_tokens
-        if isinstance(emb, QuantizedEmbedding):
-            return cpu_matvec.matmul_affine(y, emb.weight, emb.scales, emb.biases, emb.bits)
-        return cpu_matvec.matmul(y, self._head_weight(emb.weight))
-
-    def _head_weight(self, weight: mx.array) -> mx.array:
-        """The array the native head reads: a bf16 copy of an f32 embedding whose values are all
-        bf16 numbers (a bf16 checkpoint loaded in f32: the copy is exact), else the weight itself.
-        bf16 halves the bytes streamed per token (262144 x 1024 head, 2-core EPYC: 17 vs 31 ms,
-        bench/NOTES.md) for +50% of the embedding's memory. Made once per weight array;
-        GEMMA4_MLX_CPU_HEAD_BF16=0 reads the f32 weight instead."""
-        import os
-
-        if weight.dtype != mx.float32 or os.environ.get("GEMMA4_MLX_CPU_HEAD_BF16", "1").strip() in ("0", "off"):
-            return weight
-        cached = self.__dict__.get("_head_bf16")
-        if cached is None or cached[0] is not weight:
-            exact = bool(mx.all((weight.view(mx.uint32) & 0xFFFF) == 0).item())
-            copy = weight.astype(mx.bfloat16) if exact else None
-            if copy is not None:
-                mx.eval(copy)
-            cached = (weight, copy)
-            object.__setattr__(self, "_head_bf16", cached)  # not a parameter: bypass Module's setattr
-        return weight if cached[1] is None else cached[1]
+        """True when `logits` runs the head through the native CPU matvec (cpu_matvec.head_ready)."""
+        return cpu_matvec.head_ready(self, y)
 
     @property
     def layers(self):

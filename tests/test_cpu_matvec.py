@@ -215,14 +215,14 @@ def test_greedy_tokens_native_equal_mlx(native, dense_fixture, monkeypatch):
 def test_head_reads_an_exact_bf16_copy_only(native, dense_fixture, monkeypatch):
     model = load_hf(dense_fixture.hf_dir, dtype=mx.float32, progress=False)  # bf16 checkpoint in f32
     emb = model.model.embed_tokens
-    head = model._head_weight(emb.weight)
+    head = cpu_matvec._head_weight(model, emb.weight)
     assert head.dtype == mx.bfloat16 and mx.array_equal(head.astype(mx.float32), emb.weight)
     assert "_head_bf16" not in model.parameters()  # a cache, not a parameter
     monkeypatch.setenv("GEMMA4_MLX_CPU_HEAD_BF16", "0")
-    assert model._head_weight(emb.weight) is emb.weight
+    assert cpu_matvec._head_weight(model, emb.weight) is emb.weight
     monkeypatch.delenv("GEMMA4_MLX_CPU_HEAD_BF16")
     emb.weight = emb.weight * 1.001  # no longer bf16 numbers: the head must read f32
-    assert model._head_weight(emb.weight) is emb.weight
+    assert cpu_matvec._head_weight(model, emb.weight) is emb.weight
     y = model.model(mx.array([[2, 300, 301]]))
     want = np.array(_mlx_head(model, y))
     assert np.abs(np.array(model.logits(y)) - want).max() <= 1e-5 * np.abs(want).max()
