@@ -19,7 +19,10 @@ kernels and never reach BLAS):
 2. Loads the engines: this project's `load_hf` in bf16 and f32 and `load_gguf` of the Q4_0 file
    with bf16 activations (ours-q4) and with f32 ones (ours-q4-f32: what `gemma4_mlx.load` picks on
    a CPU with a verified fast BLAS); ours-f32-nonative: ours-f32 with the native CPU matvec
-   (gemma4_mlx/cpu_matvec.py, the tied head at decode) switched off, the head through MLX; mlx-lm's `mlx_lm.load` in bf16, the same weights cast to f32, and its own
+   (gemma4_mlx/cpu_matvec.py, the tied head at decode) switched off, the head through MLX;
+   ours-f32-refblas: ours-f32 in a child process started with GEMMA4_MLX_BLAS=off (MLX's bundled
+   reference BLAS: the "fast BLAS off" case; it warms up inside each of its runs, with a 16-token
+   prompt); mlx-lm's `mlx_lm.load` in bf16, the same weights cast to f32, and its own
    4-bit affine quantization (`mlx_lm.utils.quantize_model`, bits 4, --mlxlm-group-size, default
    32 = Q4_0's block; scales/biases bf16, as `mlx_lm.convert -q` makes them).
 3. Rounds, interleaved (engine A, B, C, ... then again): each run is one greedy generation from a
@@ -99,14 +102,19 @@ def _cpu_default_dtype() -> str | None:
 BUILDER_VERSION = "1"  # bump when the drawn weights change
 SEED = 20260503
 ALL_ENGINES = ("ours-bf16", "mlxlm-bf16", "ours-q4", "ours-q4-f32", "mlxlm-q4", "ours-f32", "mlxlm-f32",
-               "ours-f32-nonative")
-# ours / mlx-lm pairs for the ratio table
+               "ours-f32-nonative", "ours-f32-refblas")
+# engines that run in a child process, because their BLAS must be chosen before mlx.core is imported:
+# name -> (engine the child loads, environment it runs with)
+CHILD_ENGINES = {"ours-f32-refblas": ("ours-f32", {"GEMMA4_MLX_BLAS": "off"})}
+# (ours, other) pairs for the ratio table
 PAIRS = (("bf16", "ours-bf16", "mlxlm-bf16"), ("4-bit", "ours-q4", "mlxlm-q4"),
          ("f32", "ours-f32", "mlxlm-f32"), ("4-bit, ours with f32 activations", "ours-q4-f32", "mlxlm-q4"),
          ("ours f32 vs mlx-lm bf16", "ours-f32", "mlxlm-bf16"),
          ("ours 4-bit vs mlx-lm bf16", "ours-q4", "mlxlm-bf16"),
          ("ours 4-bit f32-act vs mlx-lm bf16", "ours-q4-f32", "mlxlm-bf16"),
-         ("ours f32 without the native matvec vs mlx-lm bf16", "ours-f32-nonative", "mlxlm-bf16"))
+         ("ours f32 without the native matvec vs mlx-lm bf16", "ours-f32-nonative", "mlxlm-bf16"),
+         ("ours f32 with MLX's reference BLAS vs mlx-lm bf16", "ours-f32-refblas", "mlxlm-bf16"),
+         ("ours f32: fast BLAS on / off", "ours-f32", "ours-f32-refblas"))
 
 
 def log(msg: str) -> None:
@@ -706,6 +714,38 @@ def print_report(result: dict) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def run_in_child(name: str, args, prompt_tokens: int, decode_tokens: int, warmup: bool) -> dict:
+    """One run_once of a CHILD_ENGINES engine in a fresh process (its own BLAS); warm-up first when
+    asked (a short prompt: compiles the decode step, starts threads). Returns its run dict, with the
+    child's BLAS in "blas"."""
+    base, env = CHILD_ENGINES[name]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-run", base, "--cache-dir", args.cache_dir,
+           "--prompt-tokens", str(prompt_tokens), "--decode-tokens", str(decode_tokens),
+           "--decode-budget-s", str(args.decode_budget_s)] + (["--quick"] if args.quick else []) + (
+           ["--child-warmup"] if warmup else [])  # fmt: skip
+    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: child run failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r["engine"] = name
+    return r
+
+
+def child_run(args) -> int:
+    """--child-run ENGINE: load it, (warm up,) time one generation, print the run dict as JSON."""
+    cfg = bench_config(args.quick)
+    hf_dir, gguf_path = build_checkpoint(Path(args.cache_dir).expanduser(), cfg)
+    engine = load_engines([args.child_run], hf_dir, gguf_path, args.mlxlm_group_size)[args.child_run]
+    prompt = np.random.default_rng(SEED).integers(364, cfg.vocab_size, args.prompt_tokens).tolist()
+    if args.child_warmup:
+        run_once(engine, prompt[:16], 3, args.decode_budget_s, min_decode=1)
+    r = run_once(engine, prompt, args.decode_tokens, args.decode_budget_s)
+    r["blas"] = blas.active()["name"]
+    r["weight_bytes"] = engine.weight_bytes
+    print(json.dumps(r))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, 64-token prompt, 16 tokens, 1 round")
@@ -725,7 +765,12 @@ def main(argv=None) -> int:
     p.add_argument("--ops-rows", default="1,4,8", help="row counts for --ops (default 1,4,8)")
     p.add_argument("--ops-reps", type=int, default=9, help="evals per op for --ops (median)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/cpu_vs_mlx_lm-<date>T<HHMM>[-quick].json)")
+    p.add_argument("--child-run", default=None, help=argparse.SUPPRESS)  # internal: one engine, one run
+    p.add_argument("--child-warmup", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child_run:
+        mx.set_default_device(mx.cpu)
+        return child_run(args)
 
     rounds = args.rounds or (1 if args.quick else 3)
     n_prompt = args.prompt_tokens or (64 if args.quick else 512)
@@ -757,7 +802,7 @@ def main(argv=None) -> int:
         log(f"wrote {out}")
         return 0
     hf_dir, gguf_path = build_checkpoint(Path(args.cache_dir).expanduser(), cfg)
-    engines = load_engines(names, hf_dir, gguf_path, args.mlxlm_group_size)
+    engines = load_engines([n for n in names if n not in CHILD_ENGINES], hf_dir, gguf_path, args.mlxlm_group_size)
 
     rng = np.random.default_rng(SEED)
     prompt = rng.integers(364, cfg.vocab_size, n_prompt).tolist()  # past the special and byte ids
@@ -765,6 +810,8 @@ def main(argv=None) -> int:
     # warm-up (not timed): first calls compile mx.compile'd functions, start BLAS threads and
     # allocate buffers; the whole prompt, except for mlx-lm's 4-bit engine (minutes per prompt)
     for name in names:
+        if name in CHILD_ENGINES:  # warms up inside each of its child runs
+            continue
         t = time.perf_counter()
         run_once(engines[name], prompt[:16] if name == "mlxlm-q4" else prompt, 3, args.decode_budget_s,
                  min_decode=1)
@@ -776,7 +823,10 @@ def main(argv=None) -> int:
         for name in names:
             if rnd > 0 and first_run_s.get(name, 0.0) > args.repeat_limit_s:
                 continue
-            r = run_once(engines[name], prompt, n_decode, args.decode_budget_s)
+            if name in CHILD_ENGINES:
+                r = run_in_child(name, args, n_prompt, n_decode, warmup=True)
+            else:
+                r = run_once(engines[name], prompt, n_decode, args.decode_budget_s)
             r["round"] = rnd
             runs.append(r)
             first_run_s.setdefault(name, r["wall_s"])
@@ -788,12 +838,12 @@ def main(argv=None) -> int:
     summary = summarize(runs, names)
     profile, prefill_profile = {}, {}
     if not args.no_profile:
-        for name in names:
+        for name in [n for n in names if n not in CHILD_ENGINES]:
             step = summary[name]["decode_tps_median"]
             log(f"profiling one decode step of {name}")
             profile[name] = profile_decode_step(engines[name], cfg, n_prompt + n_decode // 2,
                                                 1.0 / step if step else None)
-        for name in names:
+        for name in [n for n in names if n not in CHILD_ENGINES]:
             if name == "mlxlm-q4":  # ~0.2 GFLOP/s: a one-layer prefill alone takes minutes
                 continue
             log(f"profiling the prefill of {name}")
@@ -816,8 +866,11 @@ def main(argv=None) -> int:
                      "decode_budget_s": args.decode_budget_s, "repeat_limit_s": args.repeat_limit_s,
                      "mlxlm_group_size": args.mlxlm_group_size, "sampling": "greedy", "prompt_seed": SEED,
                      "order": names},
-        "engines": {n: engines[n].note for n in names},
-        "weights_gb": {n: engines[n].weight_bytes / 1e9 for n in names},
+        "engines": {n: (engines[n].note if n in engines else
+                        f"{CHILD_ENGINES[n][0]} in a child process with {CHILD_ENGINES[n][1]}") for n in names},
+        "weights_gb": {n: (engines[n].weight_bytes if n in engines else
+                           next(r["weight_bytes"] for r in runs if r["engine"] == n)) / 1e9
+                       for n in names if n in engines or any(r["engine"] == n for r in runs)},
         "runs": runs,
         "summary": summary,
         "ratios": ratios(summary, runs),
