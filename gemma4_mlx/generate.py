@@ -35,6 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import cpu_matvec
 from .cache import cache_length, make_cache
 from .checkpoint import LoadError, load_gguf, load_hf
 from .compiled_step import CompiledDecoder
@@ -253,7 +254,8 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
     token leaves that token in the cache too. Generation ends early (no error) when a bounded cache is
     full; a prompt that does not fit raises ValueError. compiled: decode through one `mx.compile`d
     step over fixed-shape caches (compiled_step.py) when the cache is this call's own (no
-    prompt_cache), else eager steps that keep updating prompt_cache."""
+    prompt_cache), else eager steps that keep updating prompt_cache. On the CPU, models with
+    Q4_0/Q8_0 linears decode eagerly (cpu_matvec.decode_eagerly: their native matvec is faster)."""
     tokens = mx.array(prompt, dtype=mx.int32) if not isinstance(prompt, mx.array) else prompt.astype(mx.int32)
     tokens = tokens.reshape(-1)
     n_prompt = tokens.size
@@ -305,7 +307,8 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
         prompt_progress_callback(n_prompt, n_prompt)
 
     decoder = None
-    if compiled and prompt_cache is None and isinstance(model, Model) and max_tokens > 1:
+    if (compiled and prompt_cache is None and isinstance(model, Model) and max_tokens > 1
+            and not cpu_matvec.decode_eagerly(model)):
         length = cache_length(cache)
         capacity = -(-(length + max_tokens) // 256) * 256
         if max_kv_size is not None:

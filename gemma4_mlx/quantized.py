@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import cpu_matvec
 from .quants import Q4_0, Q6_K, Q8_0
 
 BITS = {Q4_0: 4, Q8_0: 8}
@@ -39,6 +40,9 @@ class QuantizedLinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
+        y = cpu_matvec.affine_linear(self, x)  # CPU decode, outside mx.compile: the native matvec
+        if y is not None:
+            return y.astype(x.dtype)
         if _dequantize_on_cpu(rows):
             # Prefill on CPU: one layer's f32 weight through the fast BLAS beats MLX's CPU
             # quantized kernel ~40x at 512 rows (bench/cpu_matmul.py); freed after the matmul.

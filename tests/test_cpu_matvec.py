@@ -257,3 +257,36 @@ def test_sgemm_hook_serves_mlx_matvecs_and_forwards_the_rest(native):
         assert cpu_matvec.hook_status()["calls"] == before
     finally:
         cpu_matvec.set_hook_enabled(True)
+
+
+def test_quantized_linear_native_at_decode_rows(native, dense_fixture):
+    """Q4_0 / Q8_0 linears on the CPU: 1..8 rows through the native matvec equal mx.quantized_matmul
+    (f32 activations: same numbers up to summation order); inside mx.compile they fall back to MLX."""
+    from gemma4_mlx.quantized import QuantizedLinear
+
+    for qtype in ("q4_0", "q8_0"):
+        model, _ = load_gguf(dense_fixture.gguf(qtype), dtype=mx.float32, progress=False, weight_format="affine")
+        layer = model.layers[0].mlp.gate_proj
+        assert isinstance(layer, QuantizedLinear)
+        for rows in (1, 5, 8):
+            x = mx.random.normal((1, rows, layer.weight.shape[1] * 32 // layer.bits), key=mx.random.key(rows))
+            want = mx.quantized_matmul(x, layer.weight, layer.scales, layer.biases, transpose=True,
+                                       group_size=32, bits=layer.bits)
+            got = cpu_matvec.affine_linear(layer, x)
+            assert got is not None and got.shape == want.shape
+            assert np.abs(np.array(got) - np.array(want)).max() <= 1e-5 * np.abs(np.array(want)).max()
+        assert cpu_matvec.affine_linear(layer, mx.zeros((9, x.shape[-1]))) is None  # prefill: MLX/BLAS
+        compiled = mx.compile(layer)(x)  # the fallback inside the trace, not an eval error
+        assert np.abs(np.array(compiled) - np.array(layer(x))).max() <= 1e-5 * np.abs(np.array(want)).max()
+
+
+def test_quantized_model_decodes_eagerly_with_the_same_tokens(native, dense_fixture, monkeypatch):
+    model, _ = load_gguf(dense_fixture.gguf("q4_0"), dtype=mx.float32, progress=False, weight_format="affine")
+    assert cpu_matvec.decode_eagerly(model)
+    assert not cpu_matvec.decode_eagerly(load_hf(dense_fixture.hf_dir, dtype=mx.float32, progress=False))
+    prompt = probe_ids(12, seed=34, vocab=model.cfg.vocab_size)[0].tolist()
+    native_tokens = [t for t, _ in generate_step(prompt, model, max_tokens=24)]
+    monkeypatch.setenv(cpu_matvec.ENV_VAR, "off")
+    assert not cpu_matvec.decode_eagerly(model)  # back to the compiled step with mx.quantized_matmul
+    mlx_tokens = [t for t, _ in generate_step(prompt, model, max_tokens=24)]
+    assert native_tokens == mlx_tokens and len(set(native_tokens)) > 3
