@@ -463,3 +463,29 @@ __all__ = [
     "fixture_store", "cache_key", "discriminativeness", "probe_ids",
     "gemma4_fixtures", "dense_fixture", "moe_fixture", "eseries_fixture", "any_fixture", "fixture_gguf",
 ]
+
+
+def export_ggufs(out_dir: Path, types: tuple[str, ...] = ("q4_0", "q8_0")) -> list[Path]:
+    """Copy every variant's GGUF of `types` to out_dir as <variant>-<type>.gguf: what
+    tests/test_model_gpu.py reads from $GEMMA4_FIXTURE_GGUFS on a machine without torch (the H200)."""
+    import shutil
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store = fixture_store()
+    paths = []
+    for variant in VARIANTS:
+        for t in types:
+            dst = out_dir / f"{variant}-{t}.gguf"
+            shutil.copyfile(store.gguf(variant, t), dst)
+            paths.append(dst)
+    return paths
+
+
+if __name__ == "__main__":  # GEMMA4_FIXTURE_DIR=... python3 tests/fixtures.py .gpufix
+    import sys
+
+    import gemma4_mlx  # noqa: F401  (the BLAS preload before mlx.core)
+
+    for p in export_ggufs(Path(sys.argv[1] if len(sys.argv) > 1 else ".gpufix")):
+        print(p)

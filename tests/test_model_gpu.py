@@ -3,7 +3,8 @@ three fixture variants: with every kernel on, greedy continuations equal the ref
 logits stay within the model's bf16 tolerance. Run with ``pytest -m gpu``.
 
 The fixture GGUFs come from $GEMMA4_FIXTURE_GGUFS (a directory of ``<variant>-<type>.gguf`` files
-built elsewhere, for machines without torch) or else from the session's fixture store."""
+built elsewhere, for machines without torch: ``python3 tests/fixtures.py .gpufix`` writes them) or
+else from the session's fixture store."""
 
 from __future__ import annotations
 
