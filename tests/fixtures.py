@@ -467,12 +467,16 @@ __all__ = [
 
 def export_ggufs(out_dir: Path, types: tuple[str, ...] = ("q4_0", "q8_0")) -> list[Path]:
     """Copy every variant's GGUF of `types` to out_dir as <variant>-<type>.gguf: what
-    tests/test_model_gpu.py reads from $GEMMA4_FIXTURE_GGUFS on a machine without torch (the H200)."""
+    tests/test_model_gpu.py reads from $GEMMA4_FIXTURE_GGUFS on a machine without torch (the H200).
+    Fixtures are built under $GEMMA4_FIXTURE_DIR, else ~/.cache/gemma4_mlx/fixtures."""
     import shutil
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    store = fixture_store()
+    if os.environ.get("GEMMA4_FIXTURE_DIR"):
+        store = fixture_store()
+    else:
+        store = fixture_store(Path.home() / ".cache" / "gemma4_mlx" / "fixtures" / cache_key())
     paths = []
     for variant in VARIANTS:
         for t in types:
@@ -482,7 +486,7 @@ def export_ggufs(out_dir: Path, types: tuple[str, ...] = ("q4_0", "q8_0")) -> li
     return paths
 
 
-if __name__ == "__main__":  # GEMMA4_FIXTURE_DIR=... python3 tests/fixtures.py .gpufix
+if __name__ == "__main__":  # python3 tests/fixtures.py .gpufix
     import sys
 
     import gemma4_mlx  # noqa: F401  (the BLAS preload before mlx.core)
