@@ -409,10 +409,13 @@ static void release(Buf *b) {
     b->held = 0;
 }
 
-/* The format's type letter without byte-order prefixes ('<f' -> 'f'); MLX bf16 says "bfloat16". */
+/* The format's type letter without a native byte-order prefix ('<f' -> 'f'); MLX bf16 says
+ * "bfloat16". Big-endian prefixes are kept, so such buffers fail every type check below. */
 static const char *base_format(const Py_buffer *v) {
     const char *f = v->format ? v->format : "B";
-    while (*f == '<' || *f == '=' || *f == '@' || *f == '!' || *f == '>') f++;
+    const uint16_t probe = 1;
+    const int little = *(const uint8_t *)&probe == 1;
+    while (*f == '=' || *f == '@' || (little && *f == '<') || (!little && (*f == '>' || *f == '!'))) f++;
     return f;
 }
 
@@ -426,18 +429,28 @@ static int is_u32(const Py_buffer *v) {
     return v->itemsize == 4 && (strcmp(f, "I") == 0 || strcmp(f, "L") == 0);
 }
 
-/* A C-contiguous 2-D buffer; writable if asked. Sets a ValueError naming `what` on failure. */
+/* A C-contiguous 2-D buffer; writable if asked. Sets a ValueError naming `what` on failure.
+ * Contiguity is checked here from the exported strides and length, not left to the exporter: some
+ * (MLX arrays) ignore PyBUF_C_CONTIGUOUS and export transposed or broadcast views as they are. */
 static int get2d(PyObject *obj, Buf *b, int writable, const char *what) {
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, &b->view, flags) != 0) {
         PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous%s buffer (an evaluated MLX array or a "
-                     "numpy array)", what, writable ? ", writable" : "");
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous%s buffer (a numpy array or a memoryview)",
+                     what, writable ? ", writable" : "");
         return -1;
     }
     b->held = 1;
     if (b->view.ndim != 2) {
         PyErr_Format(PyExc_ValueError, "%s must be 2-D, got %d dimension(s)", what, b->view.ndim);
+        return -1;
+    }
+    const Py_ssize_t item = b->view.itemsize, rows = b->view.shape[0], cols = b->view.shape[1];
+    const int contiguous = b->view.strides == NULL ||
+        ((cols <= 1 || b->view.strides[1] == item) && (rows <= 1 || b->view.strides[0] == cols * item));
+    if (!contiguous || item < 1 || rows < 0 || cols < 0 || b->view.len != rows * cols * item) {
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous buffer (got strides or a length that are "
+                     "not those of a dense (%zd, %zd) array)", what, rows, cols);
         return -1;
     }
     return 0;

@@ -19,6 +19,7 @@ this process may run on).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -155,19 +156,74 @@ def matmul_affine(x, w, scales, biases, bits: int):
 # ------------------------------------------------------------------------------------------------
 # Quantized linears (Q4_0 / Q8_0 files on the CPU) at decode
 
-def affine_linear(layer, x):
-    """x [..., K] @ W.T -> float32 [..., N] for a QuantizedLinear `layer` (affine g32, 4/8-bit, f32
-    scales) through the native matvec, or None where it does not apply: not the CPU, the extension
-    off, more than MAX_ROWS rows, or inside a function transformation (mx.compile, vmap, grad)."""
+def _transformation_error(exc: ValueError) -> bool:
+    """MLX's "[eval] Attempting to eval an array during function transformations ..." error."""
+    return "function transformation" in str(exc)
+
+
+def _affine_ok(layer) -> bool:
     import mlx.core as mx
 
-    if (mx.default_device() != mx.cpu or not enabled() or layer.bits not in (4, 8) or layer.group_size != 32
-            or layer.scales.dtype != mx.float32 or not 1 <= x.size // max(x.shape[-1], 1) <= MAX_ROWS):
+    return (layer.bits in (4, 8) and layer.group_size == 32 and layer.scales.dtype == mx.float32
+            and layer.biases.dtype == mx.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _affine_op(bits: int):
+    """x @ dequantize(w, scales, biases).T natively, as an MLX custom function whose vjp is MLX's own
+    (cotangent @ W for x; the frozen quantized tensors get zeros), so mx.grad / mx.vjp through a
+    native call are right instead of silently zero."""
+    import mlx.core as mx
+
+    @mx.custom_function
+    def op(x, w, scales, biases):
+        return matmul_affine(x, w, scales, biases, bits)
+
+    @op.vjp
+    def op_vjp(primals, cotangent, output):
+        x, w, scales, biases = primals
+        cot = cotangent[0] if isinstance(cotangent, (list, tuple)) else cotangent
+        dx = mx.quantized_matmul(cot.astype(mx.float32), w, scales, biases, transpose=False, group_size=32, bits=bits)
+        return dx.astype(x.dtype), mx.zeros_like(w), mx.zeros_like(scales), mx.zeros_like(biases)
+
+    return op
+
+
+@functools.lru_cache(maxsize=None)
+def _float_op():
+    """y @ W.T natively (W f32 or bf16; an f32 W may be read through its exact bf16 copy), with an
+    MLX vjp for both y and W (the tied embedding is a trainable parameter)."""
+    import mlx.core as mx
+
+    @mx.custom_function
+    def op(y, weight, read):
+        return matmul(y, read)
+
+    @op.vjp
+    def op_vjp(primals, cotangent, output):
+        y, weight, read = primals
+        cot = (cotangent[0] if isinstance(cotangent, (list, tuple)) else cotangent).astype(mx.float32)
+        dy = (cot @ weight.astype(mx.float32)).astype(y.dtype)
+        dw = (cot.reshape(-1, cot.shape[-1]).T @ y.astype(mx.float32).reshape(-1, y.shape[-1])).astype(weight.dtype)
+        return dy, dw, mx.zeros_like(read)
+
+    return op
+
+
+def affine_linear(layer, x):
+    """x [..., K] @ W.T -> float32 [..., N] for a QuantizedLinear `layer` (affine g32, 4/8-bit, f32
+    scales and biases) through the native matvec, or None where it does not apply: not the CPU, the
+    extension off, more than MAX_ROWS rows, or inside mx.compile / mx.vmap (where nothing may be
+    evaluated). Under mx.grad the gradient comes from MLX ops (see _affine_op)."""
+    import mlx.core as mx
+
+    if (mx.default_device() != mx.cpu or not enabled() or not _affine_ok(layer)
+            or not 1 <= x.size // max(x.shape[-1], 1) <= MAX_ROWS):
         return None
     try:
-        return matmul_affine(x, layer.weight, layer.scales, layer.biases, layer.bits)
+        return _affine_op(layer.bits)(x, layer.weight, layer.scales, layer.biases)
     except ValueError as exc:
-        if "function transformation" in str(exc):  # "[eval] Attempting to eval an array during ..."
+        if _transformation_error(exc):
             return None
         raise
 
@@ -212,25 +268,24 @@ def head_ready(model, y=None) -> bool:
         return False
     emb = model.model.embed_tokens
     if isinstance(emb, QuantizedEmbedding):
-        return emb.bits in (4, 8) and emb.group_size == 32 and emb.scales.dtype == mx.float32
+        return _affine_ok(emb)
     return type(emb) is nn.Embedding and emb.weight.dtype in (mx.float32, mx.bfloat16)
 
 
 def head_logits(model, y):
-    """Head logits fp32 [..., V] (before the softcap) of y [..., H]; None inside a function
-    transformation (mx.compile, vmap, grad), where nothing may be evaluated."""
-    import mlx.core as mx
-
+    """Head logits fp32 [..., V] (before the softcap) of y [..., H]; None inside mx.compile /
+    mx.vmap, where nothing may be evaluated (gradients are MLX's: see _float_op / _affine_op)."""
     from .quantized import QuantizedEmbedding
 
-    try:
-        mx.eval(y)
-    except ValueError:  # "[eval] Attempting to eval an array during function transformations"
-        return None
     emb = model.model.embed_tokens
-    if isinstance(emb, QuantizedEmbedding):
-        return matmul_affine(y, emb.weight, emb.scales, emb.biases, emb.bits)
-    return matmul(y, _head_weight(model, emb.weight))
+    try:
+        if isinstance(emb, QuantizedEmbedding):
+            return _affine_op(emb.bits)(y, emb.weight, emb.scales, emb.biases)
+        return _float_op()(y, emb.weight, _head_weight(model, emb.weight))
+    except ValueError as exc:
+        if _transformation_error(exc):
+            return None
+        raise
 
 
 def _head_weight(model, weight):
