@@ -127,6 +127,11 @@ def test_bad_arguments_raise(native):
         ((x, np.ones((64, 10), f32).T, out), "C-contiguous"),
         ((x, w, np.empty((10, 2), f32).T), "C-contiguous"),
         ((x, w, memoryview(out.tobytes()).cast("B").cast("f", (2, 10))), "writable"),
+        ((x, w.astype(">f4"), out), "w must be float32"),  # big-endian: not this machine's floats
+        # MLX arrays export views with their real strides whatever the request: checked here
+        ((x, _evaluated(mx.ones((64, 10)).T), out), "C-contiguous"),
+        ((x, _evaluated(mx.broadcast_to(mx.ones((1, 64)), (1 << 20, 64))), np.empty((2, 1 << 20), f32)),
+         "C-contiguous"),
         ((x, w, out, "2"), None),
     ]
     for args, match in bad:
@@ -328,3 +333,8 @@ def _head_with(model, weight, y):
         return model.logits(y)
     finally:
         emb.weight = saved
+
+
+def _evaluated(a):
+    mx.eval(a)
+    return a
