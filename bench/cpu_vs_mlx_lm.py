@@ -714,6 +714,16 @@ def print_report(result: dict) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def write_result(result: dict, args, stem: str, started: datetime.datetime) -> Path:
+    """The JSON to --out, else bench/results/<stem>-<date>T<HHMM>[-quick].json."""
+    out = Path(args.out) if args.out else (
+        ROOT / "bench" / "results" / f"{stem}-{started:%Y-%m-%dT%H%M}{'-quick' if args.quick else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    log(f"wrote {out} ({result['elapsed_s']:.0f} s in all)")
+    return out
+
+
 def run_in_child(name: str, args, prompt_tokens: int, decode_tokens: int, warmup: bool) -> dict:
     """One run_once of a CHILD_ENGINES engine in a fresh process (its own BLAS); warm-up first when
     asked (a short prompt: compiles the decode step, starts threads). Returns its run dict, with the
@@ -795,11 +805,7 @@ def main(argv=None) -> int:
                   "threads": cpu_matvec.threads(), "reps": args.ops_reps, "ops": ops,
                   "loadavg_before": load_before, "loadavg_end": os.getloadavg(),
                   "elapsed_s": (datetime.datetime.now() - started).total_seconds()}
-        out = Path(args.out) if args.out else (
-            ROOT / "bench" / "results" / f"cpu_matvec_ops-{started:%Y-%m-%dT%H%M}{'-quick' if args.quick else ''}.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
-        log(f"wrote {out}")
+        write_result(result, args, "cpu_matvec_ops", started)
         return 0
     hf_dir, gguf_path = build_checkpoint(Path(args.cache_dir).expanduser(), cfg)
     engines = load_engines([n for n in names if n not in CHILD_ENGINES], hf_dir, gguf_path, args.mlxlm_group_size)
@@ -882,11 +888,7 @@ def main(argv=None) -> int:
         "elapsed_s": (datetime.datetime.now() - started).total_seconds(),
     }
     print_report(result)
-    out = Path(args.out) if args.out else (
-        ROOT / "bench" / "results" / f"cpu_vs_mlx_lm-{started:%Y-%m-%dT%H%M}{'-quick' if args.quick else ''}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    log(f"wrote {out} ({result['elapsed_s']:.0f} s in all)")
+    write_result(result, args, "cpu_vs_mlx_lm", started)
     return 0
 
 
