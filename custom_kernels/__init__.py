@@ -15,12 +15,13 @@ once in the shared dialect (``custom_kernels.dialect``), and one dispatch functi
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 
-__all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "clear_kernel_cache", "KERNELS_ENV",
-           "UNPROVEN_ENV"]
+__all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "clear_kernel_cache", "KernelSource",
+           "MX_DTYPES", "dtype_name", "template_args", "KERNELS_ENV", "UNPROVEN_ENV"]
 
 KERNELS_ENV = "GEMMA4_MLX_KERNELS"
 """Environment variable: ``reference`` forces the pure-MLX references even on a GPU build."""
@@ -116,3 +117,35 @@ def get_kernel(
 def clear_kernel_cache() -> None:
     """Forget every cached kernel object (MLX keeps its own compiled libraries)."""
     _kernel_cache.clear()
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One kernel: its MLX custom-kernel signature and its text per dialect,
+    ``text = {"metal": (header, source), "cuda": (header, source)}``."""
+
+    name: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    text: dict
+
+    def kernel(self) -> Callable:
+        """The cached MLX kernel object for this backend (see get_kernel)."""
+        return get_kernel(self.name, self.input_names, self.output_names, self.text["metal"], self.text["cuda"])
+
+
+MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+"""Activation / cache dtypes the kernels are instantiated for, by template name."""
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """"float32" | "bfloat16" | "float16" for a kernel template; TypeError for anything else."""
+    for name, d in MX_DTYPES.items():
+        if d == dtype:
+            return name
+    raise TypeError(f"unsupported dtype {dtype}; the kernels take float32, bfloat16 or float16")
+
+
+def template_args(template: list) -> list:
+    """A launch template [(name, dtype name | int | bool)] with dtype names turned into MLX dtypes."""
+    return [(name, MX_DTYPES[v] if isinstance(v, str) else v) for name, v in template]

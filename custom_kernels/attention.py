@@ -68,7 +68,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import backend, get_kernel, use_reference
+from . import KernelSource, backend, dtype_name, template_args, use_reference
 from .dialect import prelude, render
 
 __all__ = [
@@ -95,15 +95,6 @@ MAX_QUERY_ROWS = 8
 """Largest M (query rows per head) the kernels take; larger M (prefill) uses the reference."""
 
 _ACT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
-_MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-
-
-def _dtype_name(dtype: mx.Dtype) -> str:
-    for name, d in _MX_DTYPES.items():
-        if d == dtype:
-            return name
-    raise TypeError(f"unsupported dtype {dtype}; expected float32, bfloat16 or float16")
-
 
 # --------------------------------------------------------------------------------------------
 # Reference (plain MLX ops)
@@ -461,17 +452,9 @@ def _text(body: str) -> dict[str, tuple[str, str]]:
     return {d: (prelude(d) + _local(render(_HELPERS, d), d), _local(render(body, d), d)) for d in ("metal", "cuda")}
 
 
-@dataclass(frozen=True)
-class _KernelDef:
-    name: str
-    input_names: tuple[str, ...]
-    output_names: tuple[str, ...]
-    text: dict  # {"metal": (header, source), "cuda": (header, source)}
-
-
-_PARTIAL = _KernelDef("g4_attn_decode_partial", ("q", "k", "v", "kpos", "qpos", "n_slots"), ("ml", "pacc"),
+_PARTIAL = KernelSource("g4_attn_decode_partial", ("q", "k", "v", "kpos", "qpos", "n_slots"), ("ml", "pacc"),
                       _text(_PARTIAL_BODY))  # fmt: skip
-_MERGE = _KernelDef("g4_attn_decode_merge", ("ml", "pacc", "n_slots"), ("out",), _text(_MERGE_BODY))
+_MERGE = KernelSource("g4_attn_decode_merge", ("ml", "pacc", "n_slots"), ("out",), _text(_MERGE_BODY))
 
 
 # --------------------------------------------------------------------------------------------
@@ -604,10 +587,6 @@ def _slots_array(n_slots, slots: int) -> mx.array:
     return mx.clip(n_slots.astype(mx.int32).reshape(1), 0, slots)
 
 
-def _tmpl(template: list) -> list:
-    return [(name, _MX_DTYPES[v] if isinstance(v, str) else v) for name, v in template]
-
-
 def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
                             q_positions: mx.array, window: int | None = None, n_slots=None,
                             config: AttentionConfig | None = None,
@@ -617,15 +596,12 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
     ``init_value`` fills every output (partials included) before the kernels run (tests poison
     them with NaN)."""
     B, n_q, M, D, n_kv, S = _check(q, k_cache, v_cache, positions, q_positions, window)
-    plan = plan_decode(B, n_q, n_kv, M, S, D, _dtype_name(q.dtype), _dtype_name(k_cache.dtype), window, config)
+    plan = plan_decode(B, n_q, n_kv, M, S, D, dtype_name(q.dtype), dtype_name(k_cache.dtype), window, config)
     bound = _slots_array(n_slots, S)
-    partial = get_kernel(_PARTIAL.name, _PARTIAL.input_names, _PARTIAL.output_names, _PARTIAL.text["metal"],
-                         _PARTIAL.text["cuda"])  # fmt: skip
-    merge = get_kernel(_MERGE.name, _MERGE.input_names, _MERGE.output_names, _MERGE.text["metal"],
-                       _MERGE.text["cuda"])  # fmt: skip
+    partial, merge = _PARTIAL.kernel(), _MERGE.kernel()
     ml, pacc = partial(
         inputs=[q, k_cache, v_cache, positions.astype(mx.int32), q_positions.astype(mx.int32), bound],
-        template=_tmpl(plan.partial_template),
+        template=template_args(plan.partial_template),
         grid=plan.partial_grid,
         threadgroup=plan.partial_threadgroup,
         output_shapes=plan.partial_shapes,
@@ -634,7 +610,7 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
     )
     (out,) = merge(
         inputs=[ml, pacc, bound],
-        template=_tmpl(plan.merge_template),
+        template=template_args(plan.merge_template),
         grid=plan.merge_grid,
         threadgroup=plan.merge_threadgroup,
         output_shapes=[plan.out_shape],

@@ -56,7 +56,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import backend, get_kernel, use_kernel, use_reference
+from . import backend, dtype_name, get_kernel, template_args, use_kernel, use_reference
 from .dialect import emit, prelude
 
 __all__ = [
@@ -653,20 +653,10 @@ def plan_launch(ggml_type: int, kind: str, dtype_name: str, m: int, n: int, k: i
     return LaunchPlan(template, grid, (threads, 1, 1), out_shape)
 
 
-_MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-
-
-def _dtype_name(dtype: mx.Dtype) -> str:
-    for name, d in _MX_DTYPES.items():
-        if d == dtype:
-            return name
-    raise TypeError(f"unsupported activation dtype {dtype}")
-
-
 def _run(kdef: _KernelDef, inputs: Sequence[mx.array], plan: LaunchPlan, dtype: mx.Dtype,
          init_value: float | None = None) -> mx.array:  # fmt: skip
     kernel = get_kernel(kdef.name, kdef.input_names, kdef.output_names, kdef.text["metal"], kdef.text["cuda"])
-    template = [(name, _MX_DTYPES[v] if isinstance(v, str) else v) for name, v in plan.template]
+    template = template_args(plan.template)
     (out,) = kernel(
         inputs=list(inputs),
         template=template,
@@ -683,7 +673,7 @@ def launch_dense(x2: mx.array, blocks: mx.array, ggml_type: int, n: int,
                  config: KernelConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
     """Run the dense kernel on x2 [M <= 8, K] (no fallback; GPU builds only) -> [M, N]."""
     m, k = x2.shape
-    plan = plan_launch(ggml_type, "dense", _dtype_name(x2.dtype), m, n, k, config=config)
+    plan = plan_launch(ggml_type, "dense", dtype_name(x2.dtype), m, n, k, config=config)
     return _run(_kernel_def(ggml_type, "dense"), [x2, blocks], plan, x2.dtype, init_value)
 
 
@@ -694,7 +684,7 @@ def launch_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, 
     k = x.shape[-1]
     per_pair = x.ndim == 3
     x2 = x.reshape(m * slots, k) if per_pair else x
-    plan = plan_launch(ggml_type, "gather", _dtype_name(x.dtype), m, n, k, slots, per_pair, config)
+    plan = plan_launch(ggml_type, "gather", dtype_name(x.dtype), m, n, k, slots, per_pair, config)
     return _run(_kernel_def(ggml_type, "gather"), [x2, ids, blocks], plan, x.dtype, init_value)
 
 
@@ -703,7 +693,7 @@ def launch_gate_up(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int,
     """Run the fused gate/up kernel (no fallback; GPU builds only) -> [M, k, F]."""
     m, slots = ids.shape
     k = x.shape[-1]
-    plan = plan_launch(ggml_type, "gate_up", _dtype_name(x.dtype), m, f, k, slots, config=config)
+    plan = plan_launch(ggml_type, "gate_up", dtype_name(x.dtype), m, f, k, slots, config=config)
     return _run(_kernel_def(ggml_type, "gate_up"), [x, ids, blocks], plan, x.dtype, init_value)
 
 

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import get_kernel, use_reference
+from . import KernelSource, use_reference
 from .dialect import DIALECTS, prelude, render
 
 __all__ = [
@@ -694,17 +694,9 @@ def _text(body: str, dialect: str) -> tuple[str, str]:
     return prelude(dialect) + sub(_HELPERS), sub(body)
 
 
-@dataclass(frozen=True)
-class _KernelDef:
-    name: str
-    input_names: tuple[str, ...]
-    output_names: tuple[str, ...]
-    text: dict  # {"metal": (header, source), "cuda": (header, source)}
-
-
-_SELECT = _KernelDef("g4_sample_select", ("logits",), ("cand_val", "cand_idx", "stats"),
+_SELECT = KernelSource("g4_sample_select", ("logits",), ("cand_val", "cand_idx", "stats"),
                      {d: _text(_SELECT_BODY, d) for d in DIALECTS})  # fmt: skip
-_MERGE = _KernelDef("g4_sample_merge", ("cand_val", "cand_idx", "stats", "u", "params"), ("token", "logprob"),
+_MERGE = KernelSource("g4_sample_merge", ("cand_val", "cand_idx", "stats", "u", "params"), ("token", "logprob"),
                     {d: _text(_MERGE_BODY, d) for d in DIALECTS})  # fmt: skip
 
 
@@ -785,15 +777,11 @@ def plan_sample(b: int, v: int, k: int, config: SampleConfig | None = None) -> S
     )  # fmt: skip
 
 
-def _kernel(kdef: _KernelDef):
-    return get_kernel(kdef.name, kdef.input_names, kdef.output_names, kdef.text["metal"], kdef.text["cuda"])
-
-
 def launch_select(logits: mx.array, plan: SamplePlan) -> tuple[mx.array, mx.array, mx.array]:
     """Pass 1 (GPU builds only): logits f32 [B, V] -> (candidate values f32 [B, C], their indices
     int32 [B, C], slice stats f32 [B, NB, 2])."""
     b = logits.shape[0]
-    return tuple(_kernel(_SELECT)(
+    return tuple(_SELECT.kernel()(
         inputs=[logits], template=plan.select_template, grid=plan.select_grid,
         threadgroup=plan.select_threadgroup,
         output_shapes=[(b, plan.candidates), (b, plan.candidates), (b, plan.slices, 2)],
@@ -806,7 +794,7 @@ def launch_merge(cand_val: mx.array, cand_idx: mx.array, stats: mx.array, u: mx.
     """Pass 2 (GPU builds only) -> (tokens int32 [B], logprobs f32 [B]). params f32 [4] =
     (1 / temp, top_p, min_p, min_tokens_to_keep); u f32 [B]."""
     b = cand_val.shape[0]
-    token, logprob = _kernel(_MERGE)(
+    token, logprob = _MERGE.kernel()(
         inputs=[cand_val, cand_idx, stats, u, params], template=plan.merge_template, grid=plan.merge_grid,
         threadgroup=plan.merge_threadgroup, output_shapes=[(b,), (b,)], output_dtypes=[mx.int32, mx.float32],
     )  # fmt: skip
