@@ -777,11 +777,16 @@ def plan_sample(b: int, v: int, k: int, config: SampleConfig | None = None) -> S
     )  # fmt: skip
 
 
+def _kernel(source: KernelSource):
+    """The kernel object of `source` (a seam: the CPU tests swap in the Metal emulator here)."""
+    return source.kernel()
+
+
 def launch_select(logits: mx.array, plan: SamplePlan) -> tuple[mx.array, mx.array, mx.array]:
     """Pass 1 (GPU builds only): logits f32 [B, V] -> (candidate values f32 [B, C], their indices
     int32 [B, C], slice stats f32 [B, NB, 2])."""
     b = logits.shape[0]
-    return tuple(_SELECT.kernel()(
+    return tuple(_kernel(_SELECT)(
         inputs=[logits], template=plan.select_template, grid=plan.select_grid,
         threadgroup=plan.select_threadgroup,
         output_shapes=[(b, plan.candidates), (b, plan.candidates), (b, plan.slices, 2)],
@@ -794,7 +799,7 @@ def launch_merge(cand_val: mx.array, cand_idx: mx.array, stats: mx.array, u: mx.
     """Pass 2 (GPU builds only) -> (tokens int32 [B], logprobs f32 [B]). params f32 [4] =
     (1 / temp, top_p, min_p, min_tokens_to_keep); u f32 [B]."""
     b = cand_val.shape[0]
-    token, logprob = _MERGE.kernel()(
+    token, logprob = _kernel(_MERGE)(
         inputs=[cand_val, cand_idx, stats, u, params], template=plan.merge_template, grid=plan.merge_grid,
         threadgroup=plan.merge_threadgroup, output_shapes=[(b,), (b,)], output_dtypes=[mx.int32, mx.float32],
     )  # fmt: skip
