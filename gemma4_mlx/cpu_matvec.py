@@ -92,8 +92,8 @@ def describe() -> str:
     if reason is not None:
         return f"CPU matvec: MLX (native matvec unused: {reason})"
     hook = "MLX f32 matmuls too" if _hook["installed"] else f"MLX f32 matmuls: {_hook['reason']}"
-    return (f"CPU matvec: native ({_native.simd()}, {threads()} threads) for the head at <= {MAX_ROWS} rows; "
-            f"{hook}")
+    return (f"CPU matvec: native ({_native.simd()}, {threads()} threads) at <= {MAX_ROWS} rows for the head and "
+            f"Q4_0/Q8_0 linears; {hook}")
 
 
 def _require():
