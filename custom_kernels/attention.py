@@ -589,10 +589,9 @@ def _slots_array(n_slots, slots: int) -> mx.array:
 
 def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
                             q_positions: mx.array, window: int | None = None, n_slots=None,
-                            config: AttentionConfig | None = None, init_value: float | None = None,
-                            merged_heads: bool = False) -> mx.array:  # fmt: skip
-    """Run the two kernels (GPU builds only, no fallback) -> [B, n_q, M, D] in q.dtype, or with
-    merged_heads [B, M, n_q * D].
+                            config: AttentionConfig | None = None,
+                            init_value: float | None = None) -> mx.array:  # fmt: skip
+    """Run the two kernels (GPU builds only, no fallback) -> [B, n_q, M, D] in q.dtype.
 
     ``init_value`` fills every output (partials included) before the kernels run (tests poison
     them with NaN)."""
@@ -614,26 +613,16 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
         template=template_args(plan.merge_template),
         grid=plan.merge_grid,
         threadgroup=plan.merge_threadgroup,
-        # one query row: [B, n_q, 1, D] and [B, 1, n_q * D] are the same memory, so the merged-heads
-        # layout costs no transpose / reshape nodes (each costs host time in a decode step)
-        output_shapes=[(B, 1, n_q * D) if merged_heads and M == 1 else plan.out_shape],
+        output_shapes=[plan.out_shape],
         output_dtypes=[q.dtype],
         init_value=init_value,
     )
-    return _merge_heads(out) if merged_heads and M > 1 else out
-
-
-def _merge_heads(out: mx.array) -> mx.array:
-    """[B, n_q, M, D] -> [B, M, n_q * D]."""
-    B, n_q, M, D = out.shape
-    return out.transpose(0, 2, 1, 3).reshape(B, M, n_q * D)
+    return out
 
 
 def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
-                     q_positions: mx.array, window: int | None = None, *, n_slots=None,
-                     merged_heads: bool = False) -> mx.array:  # fmt: skip
-    """Attention of q [B, n_q, M, D] over whole cache buffers [B, n_kv, S, D] -> [B, n_q, M, D]
-    (merged_heads: [B, M, n_q * D], the layout an output projection reads).
+                     q_positions: mx.array, window: int | None = None, *, n_slots=None) -> mx.array:  # fmt: skip
+    """Attention of q [B, n_q, M, D] over whole cache buffers [B, n_kv, S, D] -> [B, n_q, M, D].
 
     positions int32 [S] (slot -> absolute position, -1 empty), q_positions int32 [M], window: the
     sliding window (keys per query incl. itself) or None. n_slots (int or int32 array [1],
@@ -643,10 +632,8 @@ def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, position
     copied before a kernel reads it."""
     _, _, M, D, _, _ = _check(q, k_cache, v_cache, positions, q_positions, window)
     if use_reference() or D not in KERNEL_HEAD_DIMS or not 1 <= M <= MAX_QUERY_ROWS:
-        out = decode_attention_reference(q, k_cache, v_cache, positions, q_positions, window)
-        return _merge_heads(out) if merged_heads else out
-    return launch_decode_attention(q, k_cache, v_cache, positions, q_positions, window, n_slots,
-                                   merged_heads=merged_heads)
+        return decode_attention_reference(q, k_cache, v_cache, positions, q_positions, window)
+    return launch_decode_attention(q, k_cache, v_cache, positions, q_positions, window, n_slots)
 
 
 # --------------------------------------------------------------------------------------------

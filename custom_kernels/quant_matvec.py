@@ -654,9 +654,7 @@ def plan_launch(ggml_type: int, kind: str, dtype_name: str, m: int, n: int, k: i
 
 
 def _run(kdef: _KernelDef, inputs: Sequence[mx.array], plan: LaunchPlan, dtype: mx.Dtype,
-         init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
-    """One custom-kernel call; ``out_shape`` (same size as the plan's) names the output's shape, so a
-    caller with leading dims needs no reshape node (each node of a decode step costs host time)."""
+         init_value: float | None = None) -> mx.array:  # fmt: skip
     kernel = get_kernel(kdef.name, kdef.input_names, kdef.output_names, kdef.text["metal"], kdef.text["cuda"])
     template = template_args(plan.template)
     (out,) = kernel(
@@ -664,19 +662,19 @@ def _run(kdef: _KernelDef, inputs: Sequence[mx.array], plan: LaunchPlan, dtype: 
         template=template,
         grid=plan.grid,
         threadgroup=plan.threadgroup,
-        output_shapes=[out_shape or plan.output_shape],
+        output_shapes=[plan.output_shape],
         output_dtypes=[dtype],
         init_value=init_value,
     )
     return out
 
 
-def launch_dense(x2: mx.array, blocks: mx.array, ggml_type: int, n: int, config: KernelConfig | None = None,
-                 init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
-    """Run the dense kernel on x2 [M <= 8, K] (no fallback; GPU builds only) -> [M, N] (or out_shape)."""
+def launch_dense(x2: mx.array, blocks: mx.array, ggml_type: int, n: int,
+                 config: KernelConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
+    """Run the dense kernel on x2 [M <= 8, K] (no fallback; GPU builds only) -> [M, N]."""
     m, k = x2.shape
     plan = plan_launch(ggml_type, "dense", dtype_name(x2.dtype), m, n, k, config=config)
-    return _run(_kernel_def(ggml_type, "dense"), [x2, blocks], plan, x2.dtype, init_value, out_shape)
+    return _run(_kernel_def(ggml_type, "dense"), [x2, blocks], plan, x2.dtype, init_value)
 
 
 def launch_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, n: int,
@@ -854,11 +852,11 @@ def plan_mma(m: int, n: int, config: MmaConfig | None = None) -> LaunchPlan:
 
 
 def launch_dense_mma(x2: mx.array, blocks: mx.array, n: int, config: MmaConfig | None = None,
-                     init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+                     init_value: float | None = None) -> mx.array:  # fmt: skip
     """Run the CUDA tensor-core Q4_0 kernel on bf16 x2 [M <= 8, K] (CUDA builds only) -> [M, N]."""
     if x2.dtype != mx.bfloat16:
         raise TypeError("the tensor-core Q4_0 kernel takes bfloat16 activations")
-    return _run(_MMA_DEF, [x2, blocks], plan_mma(x2.shape[0], n, config), x2.dtype, init_value, out_shape)
+    return _run(_MMA_DEF, [x2, blocks], plan_mma(x2.shape[0], n, config), x2.dtype, init_value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1259,12 +1257,12 @@ def _need_bf16(x: mx.array) -> None:
 
 
 def launch_dense_stream(x2: mx.array, blocks: mx.array, n: int, config: StreamConfig | None = None,
-                        init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+                        init_value: float | None = None) -> mx.array:  # fmt: skip
     """CUDA stream kernel, Q4_0: bf16 x2 [M <= 8, K] @ blocks [N, ...].T -> [M, N] (CUDA builds only)."""
     _need_bf16(x2)
     m, k = x2.shape
     return _run(_stream_def("dense"), [x2, blocks], plan_stream("dense", m, n, k, config=config), x2.dtype,
-                init_value, out_shape)  # fmt: skip
+                init_value)  # fmt: skip
 
 
 def launch_gather_stream(x: mx.array, ids: mx.array, blocks: mx.array, n: int,
@@ -1316,13 +1314,14 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     m = math.prod(lead)
     if use_reference() or not 1 <= m <= MAX_ROWS:
         return matvec_reference(x, blocks, ggml_type, n)
-    x2 = x.reshape(m, x.shape[-1])  # the kernels read x as [M, K]
-    out_shape = (*lead, n)
+    x2 = x.reshape(m, x.shape[-1])
     if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1], m):
-        return launch_dense_stream(x2, blocks, n, out_shape=out_shape)
-    if ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
-        return launch_dense_mma(x2, blocks, n, out_shape=out_shape)
-    return launch_dense(x2, blocks, ggml_type, n, out_shape=out_shape)
+        out = launch_dense_stream(x2, blocks, n)
+    elif ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
+        out = launch_dense_mma(x2, blocks, n)
+    else:
+        out = launch_dense(x2, blocks, ggml_type, n)
+    return out.reshape(*lead, n)
 
 
 def q4_0_matvec(x: mx.array, blocks: mx.array, n: int) -> mx.array:

@@ -10,24 +10,24 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .cache import DecodeStep, cache_length, make_static
+from .cache import StaticKVCache, StaticRotatingKVCache, cache_length, make_static
 
 
 def _flatten(caches: list) -> list[mx.array]:
-    """The step's state: every cache's K and V buffers, then the offset they all share."""
-    owners = [c for c in caches if c is not None]
-    return [a for c in owners for a in (c.keys, c.values)] + [owners[0].offset]
+    return [a for c in caches if c is not None for a in c.state]
 
 
 def _rebuild(kinds: list, arrays: list[mx.array]) -> list:
-    step = DecodeStep(arrays[-1])  # one offset, one set of slot positions per capacity, for all layers
     out, i = [], 0
     for kind in kinds:
         if kind is None:
             out.append(None)
+        elif kind is StaticRotatingKVCache:
+            out.append(StaticRotatingKVCache(*arrays[i : i + 4]))
+            i += 4
         else:
-            out.append(kind(arrays[i], arrays[i + 1], step.offset, step))
-            i += 2
+            out.append(StaticKVCache(*arrays[i : i + 3]))
+            i += 3
     return out
 
 

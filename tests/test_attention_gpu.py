@@ -144,20 +144,6 @@ def test_rows_without_keys_and_empty_cache():
     assert float(mx.abs(empty).max()) == 0.0
 
 
-@pytest.mark.parametrize("M", [1, 3])
-def test_merged_heads_layout(M):
-    """merged_heads=True gives [B, M, n_q * D] (at M = 1 straight from the merge kernel, no transpose):
-    exactly the [B, n_q, M, D] result with its heads concatenated per query row."""
-    rng = np.random.default_rng(23 + M)
-    pos = _ring(80, 70)
-    args, _, _ = _problem(rng, 2, 8, 2, M, 256, pos, list(range(71 - M, 71)), 32, mx.bfloat16)
-    heads = at.launch_decode_attention(*args, 32)
-    merged = at.launch_decode_attention(*args, 32, init_value=NAN, merged_heads=True)
-    assert merged.shape == (2, M, 8 * 256)
-    want = np.array(heads.astype(mx.float32)).transpose(0, 2, 1, 3).reshape(2, M, -1)
-    assert np.array_equal(np.array(merged.astype(mx.float32)), want)
-
-
 def test_compiled_step_is_shape_stable():
     """One mx.compile trace serves every decode position and valid length (arrays, not constants)."""
     rng = np.random.default_rng(23)
