@@ -14,13 +14,14 @@ once in the shared dialect (``custom_kernels.dialect``), and one dispatch functi
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 
-__all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "clear_kernel_cache", "KernelSource",
+__all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "mlx_kernel_name", "clear_kernel_cache", "KernelSource",
            "MX_DTYPES", "dtype_name", "template_args", "KERNELS_ENV", "UNPROVEN_ENV"]
 
 KERNELS_ENV = "GEMMA4_MLX_KERNELS"
@@ -69,6 +70,17 @@ def use_kernel(family: str) -> bool:
     return family in PROVEN or family in opted
 
 
+def mlx_kernel_name(name: str, header: str, source: str) -> str:
+    """The name handed to MLX for one kernel text: `name` plus a digest of (header, source).
+
+    MLX keys its compiled kernels by name (and template arguments) only: in memory, and on CUDA also
+    in its PTX disk cache (MLX_PTX_CACHE_DIR, by default under the temp directory), which outlives
+    the process. A name that stayed the same while its text changed (a new gemma4-mlx version, an
+    edited kernel) would load the old compiled kernel; with the digest it cannot."""
+    digest = hashlib.sha256(f"{header}\0{source}".encode()).hexdigest()[:16]
+    return f"{name}_{digest}"
+
+
 def get_kernel(
     name: str,
     input_names: tuple[str, ...],
@@ -78,7 +90,8 @@ def get_kernel(
     *,
     cuda_shared_memory: int = 0,
 ) -> Callable:
-    """The MLX custom-kernel object for one kernel source on the current backend, cached.
+    """The MLX custom-kernel object for one kernel source on the current backend, cached; MLX gets
+    the name `mlx_kernel_name(name, header, source)`.
 
     ``metal`` and ``cuda`` are (header, source) pairs exactly as passed to
     ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``. Template instantiations (dtype and
@@ -91,9 +104,10 @@ def get_kernel(
     kernel = _kernel_cache.get(key)
     if kernel is not None:
         return kernel
+    mlx_name = mlx_kernel_name(name, header, source)
     if which == "metal":
         kernel = mx.fast.metal_kernel(
-            name=name,
+            name=mlx_name,
             input_names=list(input_names),
             output_names=list(output_names),
             source=source,
@@ -101,7 +115,7 @@ def get_kernel(
         )
     elif which == "cuda":
         kernel = mx.fast.cuda_kernel(
-            name=name,
+            name=mlx_name,
             input_names=list(input_names),
             output_names=list(output_names),
             source=source,

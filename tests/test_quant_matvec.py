@@ -177,6 +177,25 @@ def test_cpu_dispatch_uses_reference_and_builds_no_kernel():
         custom_kernels.get_kernel("k", ("a",), ("b",), ("", "b[0] = a[0];"), ("", "b[0] = a[0];"))
 
 
+def test_kernel_names_carry_a_digest_of_their_text(monkeypatch):
+    """MLX caches compiled kernels by name (CUDA also on disk, across processes): the name handed to
+    MLX changes with the text, so an edited kernel can never load a stale compiled one."""
+    a = custom_kernels.mlx_kernel_name("g4_k", "", "b[0] = a[0];")
+    assert a == custom_kernels.mlx_kernel_name("g4_k", "", "b[0] = a[0];") and a.startswith("g4_k_")
+    assert a.isidentifier()
+    assert a != custom_kernels.mlx_kernel_name("g4_k", "", "b[0] = a[0] ;")
+    assert a != custom_kernels.mlx_kernel_name("g4_k", "// header", "b[0] = a[0];")
+    seen = []
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: seen.append(kw["name"]) or object())
+    custom_kernels.clear_kernel_cache()
+    try:
+        custom_kernels.get_kernel("g4_k", ("a",), ("b",), ("", "metal text"), ("", "b[0] = a[0];"))
+    finally:
+        custom_kernels.clear_kernel_cache()
+    assert seen == [a]
+
+
 def test_public_ops_match_references():
     """Whatever the backend, each public op agrees with its reference (exact on CPU)."""
     rng = np.random.default_rng(7)
