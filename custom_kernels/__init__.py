@@ -21,8 +21,8 @@ from typing import Callable
 
 import mlx.core as mx
 
-__all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "mlx_kernel_name", "clear_kernel_cache", "KernelSource",
-           "MX_DTYPES", "dtype_name", "template_args", "KERNELS_ENV", "UNPROVEN_ENV"]
+__all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "mlx_kernel_name", "clear_kernel_cache",
+           "KernelSource", "MX_DTYPES", "dtype_name", "template_args", "KERNELS_ENV", "UNPROVEN_ENV"]
 
 KERNELS_ENV = "GEMMA4_MLX_KERNELS"
 """Environment variable: ``reference`` forces the pure-MLX references even on a GPU build."""
