@@ -72,6 +72,26 @@ typedef struct {
     int avx2;
 } Job;
 
+/* y [M, N] (row stride y_stride) = x [M, K] (row stride x_stride) @ W.T, W's rows row_bytes apart;
+   the affine kinds also set xsum, scales and biases. */
+static Job make_job(int kind, int M, int64_t K, int64_t N, const float *x, int64_t x_stride, const void *w,
+                    int64_t row_bytes, float *y, int64_t y_stride) {
+    Job job;
+    memset(&job, 0, sizeof job);
+    job.kind = kind;
+    job.M = M;
+    job.K = K;
+    job.N = N;
+    job.x = x;
+    job.x_stride = x_stride;
+    job.w = w;
+    job.row_bytes = row_bytes;
+    job.y = y;
+    job.y_stride = y_stride;
+    job.avx2 = g_avx2;
+    return job;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* portable scalar path */
 
@@ -350,19 +370,7 @@ static void sgemm_hook(int order, int trans_a, int trans_b, int M, int N, int K,
                        int lda, const float *B, int ldb, float beta, float *C, int ldc) {
     if (g_sgemm_on && order == CBLAS_ROW_MAJOR && trans_a == CBLAS_NO_TRANS && trans_b == CBLAS_TRANS && M >= 1 &&
         M <= MAX_ROWS && N >= 1 && K >= 1 && alpha == 1.0f && beta == 0.0f && lda >= K && ldb >= K && ldc >= N) {
-        Job job;
-        memset(&job, 0, sizeof job);
-        job.kind = KIND_F32;
-        job.M = M;
-        job.K = K;
-        job.N = N;
-        job.x = A;
-        job.x_stride = lda;
-        job.w = B;
-        job.row_bytes = (int64_t)ldb * 4;
-        job.y = C;
-        job.y_stride = ldc;
-        job.avx2 = g_avx2;
+        Job job = make_job(KIND_F32, M, K, N, A, lda, B, (int64_t)ldb * 4, C, ldc);
         const int64_t by_size = (int64_t)N * K * 4 / MIN_BYTES_PER_THREAD;
         run_job(&job, by_size < 1 ? 1 : by_size < g_sgemm_threads ? (int)by_size : g_sgemm_threads);
 #if defined(__GNUC__) || defined(__clang__)
@@ -506,19 +514,9 @@ static PyObject *float_matmul(PyObject *args, int kind) {
                      (long long)DIM(x, 1), (long long)DIM(w, 1));
         goto done;
     }
-    Job job;
-    memset(&job, 0, sizeof job);
-    job.kind = kind;
-    job.M = (int)DIM(x, 0);
-    job.K = DIM(x, 1);
-    job.N = DIM(w, 0);
-    job.x = (const float *)x.view.buf;
-    job.x_stride = job.K;
-    job.y_stride = job.N;
-    job.w = w.view.buf;
-    job.row_bytes = job.K * (kind == KIND_F32 ? 4 : 2);
-    job.y = (float *)out.view.buf;
-    job.avx2 = g_avx2;
+    const int64_t K = DIM(x, 1), N = DIM(w, 0);
+    Job job = make_job(kind, (int)DIM(x, 0), K, N, (const float *)x.view.buf, K, w.view.buf,
+                       K * (kind == KIND_F32 ? 4 : 2), (float *)out.view.buf, N);
     Py_BEGIN_ALLOW_THREADS
     run_job(&job, threads);
     Py_END_ALLOW_THREADS
@@ -595,22 +593,11 @@ static PyObject *py_matmul_affine(PyObject *self, PyObject *args) {
             for (int j = 0; j < GROUP; j++) s += xp[m * K + g * GROUP + j];
             xsum[m * groups + g] = s;
         }
-    Job job;
-    memset(&job, 0, sizeof job);
-    job.kind = bits == 4 ? KIND_Q4 : KIND_Q8;
-    job.M = M;
-    job.K = K;
-    job.N = N;
-    job.x = xp;
-    job.x_stride = K;
-    job.y_stride = N;
+    Job job = make_job(bits == 4 ? KIND_Q4 : KIND_Q8, M, K, N, xp, K, w.view.buf, K * bits / 8,
+                       (float *)out.view.buf, N);
     job.xsum = xsum;
-    job.w = w.view.buf;
-    job.row_bytes = K * bits / 8;
     job.scales = (const float *)sc.view.buf;
     job.biases = (const float *)bi.view.buf;
-    job.y = (float *)out.view.buf;
-    job.avx2 = g_avx2;
     Py_BEGIN_ALLOW_THREADS
     run_job(&job, threads);
     Py_END_ALLOW_THREADS
