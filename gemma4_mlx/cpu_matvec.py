@@ -40,8 +40,9 @@ except ImportError as exc:  # not built (no compiler at install time) or a stale
 _hook: dict = {"tried": False, "installed": False, "reason": "not tried"}
 
 __all__ = ["MAX_ROWS", "available", "enabled", "unavailable_reason", "describe", "threads", "matmul",
-           "matmul_affine", "affine_linear", "decode_eagerly", "head_ready", "head_logits", "install_sgemm_hook", "hook_status", "set_hook_enabled", "reference_matmul",
-           "reference_affine", "dequantize_affine_np"]
+           "matmul_affine", "affine_linear", "decode_eagerly", "head_ready", "head_logits", "install_sgemm_hook",
+           "sgemm_hook_forward_target", "hook_status", "set_hook_enabled", "reference_matmul", "reference_affine",
+           "dequantize_affine_np"]
 
 
 def available() -> bool:
@@ -156,9 +157,15 @@ def matmul_affine(x, w, scales, biases, bits: int):
 # ------------------------------------------------------------------------------------------------
 # Quantized linears (Q4_0 / Q8_0 files on the CPU) at decode
 
-def _transformation_error(exc: ValueError) -> bool:
-    """MLX's "[eval] Attempting to eval an array during function transformations ..." error."""
-    return "function transformation" in str(exc)
+def _outside_transforms(op, *args):
+    """op(*args), or None inside mx.compile / mx.vmap, where the native call cannot evaluate its
+    inputs (MLX's "[eval] Attempting to eval an array during function transformations" error)."""
+    try:
+        return op(*args)
+    except ValueError as exc:
+        if "function transformation" in str(exc):
+            return None
+        raise
 
 
 def _affine_ok(layer) -> bool:
@@ -220,12 +227,7 @@ def affine_linear(layer, x):
     if (mx.default_device() != mx.cpu or not enabled() or not _affine_ok(layer)
             or not 1 <= x.size // max(x.shape[-1], 1) <= MAX_ROWS):
         return None
-    try:
-        return _affine_op(layer.bits)(x, layer.weight, layer.scales, layer.biases)
-    except ValueError as exc:
-        if _transformation_error(exc):
-            return None
-        raise
+    return _outside_transforms(_affine_op(layer.bits), x, layer.weight, layer.scales, layer.biases)
 
 
 EAGER_MIN_WEIGHTS = 1 << 19
@@ -278,14 +280,10 @@ def head_logits(model, y):
     from .quantized import QuantizedEmbedding
 
     emb = model.model.embed_tokens
-    try:
-        if isinstance(emb, QuantizedEmbedding):
-            return _affine_op(emb.bits)(y, emb.weight, emb.scales, emb.biases)
-        return _float_op()(y, emb.weight, _head_weight(model, emb.weight))
-    except ValueError as exc:
-        if _transformation_error(exc):
-            return None
-        raise
+    if isinstance(emb, QuantizedEmbedding):
+        return _outside_transforms(_affine_op(emb.bits), y, emb.weight, emb.scales, emb.biases)
+    # _head_weight may evaluate (once per weight): inside the guard too
+    return _outside_transforms(lambda: _float_op()(y, emb.weight, _head_weight(model, emb.weight)))
 
 
 def _head_weight(model, weight):
