@@ -21,8 +21,9 @@ Ops (activations bf16, f32 or f16; output dtype = activation dtype; f32 accumula
   [E, 2F, ...] whose rows 0..F-1 are gate and F..2F-1 up (``ffn_gate_up_exps``) ->
   gelu_tanh(gate) * up, [M, k, F], computed in f32 and rounded once.
 - ``quant_matvec(x, blocks, ggml_type, n)``: the dense op chosen by GGML type id (2, 8, 14).
-- ``q4_0_moe_down(x, ids, weights, blocks, n)``: MoE down projection fused with the router-weighted
-  sum over the k slots: x [M, k, K], ids/weights [M, k] -> [M, N] (one launch on CUDA).
+- ``q4_0_moe_down(x, ids, weights, blocks, n)``, ``q8_0_moe_down``: MoE down projection and the
+  router-weighted sum over the k slots: x [M, k, K], ids/weights [M, k] -> [M, N] (Q4_0: one launch
+  on CUDA).
 
 On a GPU build with at most 8 activation rows these run the custom kernel; on CPU, for M > 8, or
 with ``GEMMA4_MLX_KERNELS=reference`` they run the pure-MLX reference (dequantize to f32, matmul,
@@ -78,6 +79,7 @@ __all__ = [
     "gate_up_gather_reference",
     "moe_down_reference",
     "q4_0_moe_down",
+    "q8_0_moe_down",
     "gelu_tanh",
     "KernelConfig",
     "kernel_specs",
@@ -1380,20 +1382,30 @@ def q8_0_gate_up_gather(x: mx.array, ids: mx.array, blocks: mx.array, f: int) ->
     return _gate_up(x, ids, blocks, Q8_0, f)
 
 
+def _moe_down(x, ids, weights, blocks, ggml_type, n):
+    _check_gather(x, ids, blocks, ggml_type, n)
+    if x.ndim != 3 or weights.shape != ids.shape:
+        raise ValueError(f"moe_down: x must be [M, k, K] and weights [M, k]; got {x.shape}, {weights.shape}")
+    if use_reference() or not 1 <= ids.shape[0] <= MAX_ROWS:
+        return moe_down_reference(x, ids, weights, blocks, ggml_type, n)
+    if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1]):
+        return launch_down_sum_stream(x, ids, weights, blocks, n)
+    per_slot = launch_gather(x, ids, blocks, ggml_type, n).astype(mx.float32)
+    return (per_slot * weights.astype(mx.float32)[..., None]).sum(axis=1).astype(x.dtype)
+
+
 def q4_0_moe_down(x: mx.array, ids: mx.array, weights: mx.array, blocks: mx.array, n: int) -> mx.array:
     """MoE down projection fused with the router-weighted sum over the k slots: x [M, k, K] (one row
     per slot, e.g. gelu(gate) * up), ids int32 [M, k], weights [M, k], Q4_0 blocks [E, N, K // 32 * 18]
     -> sum_s weights[m, s] * W[ids[m, s]] @ x[m, s], [M, N] in x.dtype (f32 sums, one rounding).
     One launch on CUDA (stream kernel, bf16); elsewhere the gathered kernel then the weighted sum."""
-    _check_gather(x, ids, blocks, Q4_0, n)
-    if x.ndim != 3 or weights.shape != ids.shape:
-        raise ValueError(f"moe_down: x must be [M, k, K] and weights [M, k]; got {x.shape}, {weights.shape}")
-    if use_reference() or not 1 <= ids.shape[0] <= MAX_ROWS:
-        return moe_down_reference(x, ids, weights, blocks, Q4_0, n)
-    if _use_stream(x.dtype, x.shape[-1]):
-        return launch_down_sum_stream(x, ids, weights, blocks, n)
-    per_slot = launch_gather(x, ids, blocks, Q4_0, n).astype(mx.float32)
-    return (per_slot * weights.astype(mx.float32)[..., None]).sum(axis=1).astype(x.dtype)
+    return _moe_down(x, ids, weights, blocks, Q4_0, n)
+
+
+def q8_0_moe_down(x: mx.array, ids: mx.array, weights: mx.array, blocks: mx.array, n: int) -> mx.array:
+    """q4_0_moe_down on Q8_0 blocks [E, N, K // 32 * 34]: the gathered kernel, then the weighted sum
+    of its f32-cast per-slot outputs."""
+    return _moe_down(x, ids, weights, blocks, Q8_0, n)
 
 
 # --------------------------------------------------------------------------------------------

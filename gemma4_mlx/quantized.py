@@ -137,14 +137,11 @@ class BlockExperts(nn.Module):
         from custom_kernels import quant_matvec as qm
 
         gate_up_gather = {Q4_0: qm.q4_0_gate_up_gather, Q8_0: qm.q8_0_gate_up_gather}[self.gate_up_type]
-        matvec_gather = {Q4_0: qm.q4_0_matvec_gather, Q8_0: qm.q8_0_matvec_gather}[self.down_type]
+        moe_down = {Q4_0: qm.q4_0_moe_down, Q8_0: qm.q8_0_moe_down}[self.down_type]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden)
         ids = indices.reshape(x2.shape[0], -1).astype(mx.int32)
         gate_up = gate_up_gather(x2, ids, self.gate_up_blocks, self.width)  # [M, k, F]
-        w = weights.reshape(ids.shape)
-        if self.down_type == Q4_0:  # down projection and router-weighted sum in one pass (f32 sums)
-            y = qm.q4_0_moe_down(gate_up, ids, w, self.down_blocks, self.hidden)
-            return y.reshape(*lead, self.hidden)
-        y = matvec_gather(gate_up, ids, self.down_blocks, self.hidden)  # [M, k, H]
-        return (y.astype(mx.float32) * w[..., None]).sum(axis=-2).astype(x.dtype).reshape(*lead, self.hidden)
+        # down projection and router-weighted sum over the k slots, f32 sums
+        y = moe_down(gate_up, ids, weights.reshape(ids.shape), self.down_blocks, self.hidden)
+        return y.reshape(*lead, self.hidden)

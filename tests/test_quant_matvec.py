@@ -115,25 +115,26 @@ def test_gate_up_reference_vs_float64(fmt):
     _within(out, want, (np.abs(g) + mag[..., :f]) * (np.abs(u) + mag[..., f:]), 1e-5)
 
 
-def test_moe_down_reference_vs_float64():
+@pytest.mark.parametrize("ggml_type, op", [(qm.Q4_0, qm.q4_0_moe_down), (qm.Q8_0, qm.q8_0_moe_down)])
+def test_moe_down_reference_vs_float64(ggml_type, op):
     """Fused down projection + router-weighted sum over slots (reference and public op; on CPU
     the op is the reference): sum_s w[m, s] W[ids[m, s]] @ x[m, s]."""
     rng = np.random.default_rng(19)
     experts, n, slots, m, k = 6, 13, 3, 2, 96
-    raw = qm.random_blocks(rng, qm.Q4_0, (experts, n), k)
-    w64 = qm.dequantize_f64(raw, qm.Q4_0)
+    raw = qm.random_blocks(rng, ggml_type, (experts, n), k)
+    w64 = qm.dequantize_f64(raw, ggml_type)
     ids = np.stack([rng.permutation(experts)[:slots] for _ in range(m)]).astype(np.int32)
     wts = rng.random((m, slots)).astype(np.float32)
     x, x64 = _to_mx(rng.standard_normal((m, slots, k)), mx.float32)
     want = np.einsum("ms,msnk,msk->mn", wts.astype(np.float64), w64[ids], x64)
     bound = np.einsum("ms,msnk,msk->mn", wts.astype(np.float64), np.abs(w64[ids]), np.abs(x64))
-    for fn in (lambda: qm.moe_down_reference(x, mx.array(ids), mx.array(wts), mx.array(raw), qm.Q4_0, n),
-               lambda: qm.q4_0_moe_down(x, mx.array(ids), mx.array(wts), mx.array(raw), n)):  # fmt: skip
+    for fn in (lambda: qm.moe_down_reference(x, mx.array(ids), mx.array(wts), mx.array(raw), ggml_type, n),
+               lambda: op(x, mx.array(ids), mx.array(wts), mx.array(raw), n)):  # fmt: skip
         out = fn()
         assert out.shape == (m, n) and out.dtype == mx.float32
         _within(np.array(out), want, bound, 1e-5)
     with pytest.raises(ValueError):
-        qm.q4_0_moe_down(x[:, 0], mx.array(ids), mx.array(wts), mx.array(raw), n)  # x must be [M, k, K]
+        op(x[:, 0], mx.array(ids), mx.array(wts), mx.array(raw), n)  # x must be [M, k, K]
 
 
 def test_stream_plans_and_copy_width():
