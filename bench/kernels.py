@@ -6,7 +6,9 @@ MLP, the tied 262144 x H head, and the 26B-A4B expert path at M = 1 with 8 exper
   * time per call and GB/s of each kernel at M = 1 and M = 8 (Q4_0 projections; Q8_0 and Q6_K
     head), bytes = weight bytes read + activations read + outputs written;
   * the device copy bandwidth measured in the same run (``a + 1`` over a 1 GiB float32 array,
-    bytes read + written) and every kernel's fraction of it;
+    bytes read + written) and every kernel's fraction of it; on CUDA also a read-only probe kernel
+    over the same 1 GiB and (--focus) over the same bytes as the 31B FFN weights, i.e. what any
+    kernel that only reads those bytes reaches here;
   * ``mx.quantized_matmul`` (``mx.gather_qmm`` for experts) on the MLX affine form of the same
     weights (lossless mapping; bf16 scales/biases, as mlx-lm stores them) in the same run;
   * M=8 / M=1 time ratios.
@@ -191,11 +193,56 @@ def copy_bandwidth(quick: bool) -> dict:
     mx.eval(arrays)
     sec = time_rotating([lambda a=a: a + 1.0 for a in arrays], quick)
     nbytes = 2 * 4 * n
-    return {"bytes": nbytes, "time_us": sec * 1e6, "GBps": nbytes / sec / 1e9}
+    out = {"bytes": nbytes, "time_us": sec * 1e6, "GBps": nbytes / sec / 1e9}
+    if custom_kernels.backend() == "cuda" and not custom_kernels.use_reference():
+        views = [mx.view(a, mx.uint8).reshape(-1, 16) for a in arrays]
+        rsec = time_rotating([lambda v=v: read_probe(v) for v in views], quick)
+        out["read_GBps"] = 4 * n / rsec / 1e9  # the read probe over the same arrays: bytes read only
+    return out
 
 
 # --------------------------------------------------------------------------------------------
 # cases
+
+
+_READ_KERNEL = None
+_READ_GRID = (2048, 256)  # blocks, threads: >= 8 blocks per SM on an H200 (132 SMs)
+
+
+def read_probe(w: mx.array) -> mx.array:
+    """CUDA only: every 16-byte word of w (bytes, a multiple of 16) read once, XOR-folded to one
+    uint32 per warp. The rate a kernel that only reads these bytes reaches in this harness."""
+    global _READ_KERNEL
+    if _READ_KERNEL is None:
+        _READ_KERNEL = mx.fast.cuda_kernel(name="g4_bench_read", input_names=["w"], output_names=["o"], source="""
+  const uint4* p = reinterpret_cast<const uint4*>(w);
+  const size_t n16 = (size_t)w_shape[0] * (size_t)w_shape[1] / 16;
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  uint32_t acc = 0;
+  for (; i + 3 * stride < n16; i += 4 * stride) {
+    const uint4 a = __ldg(p + i), b = __ldg(p + i + stride), c = __ldg(p + i + 2 * stride), d = __ldg(p + i + 3 * stride);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+  }
+  for (; i < n16; i += stride) { const uint4 a = __ldg(p + i); acc ^= a.x ^ a.y ^ a.z ^ a.w; }
+  for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31u) == 0) o[((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5] = acc;
+""")  # fmt: skip
+    blocks, threads = _READ_GRID
+    return _READ_KERNEL(inputs=[w], grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1),
+                        output_shapes=[(blocks * threads // 32,)], output_dtypes=[mx.uint32])[0]  # fmt: skip
+
+
+def read_probe_row(model, name, n, k, weights, quick) -> dict:
+    """Time read_probe over the same rotating weight sets as a kernel row (checked against numpy)."""
+    w0 = weights[0]
+    want = np.bitwise_xor.reduce(np.array(w0).reshape(-1).view(np.uint32))
+    got = np.bitwise_xor.reduce(np.array(read_probe(w0)))
+    if w0.nbytes % 16 or got != want:
+        raise RuntimeError(f"read probe: XOR {got:#x} != {want:#x} (or bytes not a multiple of 16)")
+    sec = time_rotating([lambda w=w: read_probe(w) for w in weights], quick)
+    return dict(model=model, name=name, impl="read_probe (same bytes)", N=n, K=k, M=1, sets=len(weights),
+                time_us=sec * 1e6, bytes=w0.nbytes, GBps=w0.nbytes / sec / 1e9, config=list(_READ_GRID))
 
 
 def _dtype_bytes(dtype) -> int:
@@ -203,15 +250,17 @@ def _dtype_bytes(dtype) -> int:
 
 
 def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=None, with_qmm=True, mma=True,
-               stream=True, fma=True):  # fmt: skip
+               stream=True, fma=True, read=False):  # fmt: skip
     """Kernel (and quantized_matmul; and the CUDA tensor-core kernel for Q4_0 bf16 unless mma is
     False, with its default geometry or the MmaConfig given as mma) at each M in ms on rotating
-    [N, K] weight sets."""
+    [N, K] weight sets; with read, first the CUDA read probe over the same sets."""
     rb = qm.row_bytes(ggml_type, k)
     sets = n_sets(n * rb, quick)
     weights = [random_blocks(ggml_type, (n,), k) for _ in range(sets)]
     mx.eval(weights)
     rows = []
+    if read and on_gpu and custom_kernels.backend() == "cuda":
+        rows.append(read_probe_row(model, name, n, k, weights, quick))
     for m in ms:
         x = mx.random.normal((m, k)).astype(dtype)
         mx.eval(x)
@@ -375,7 +424,7 @@ def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
     model = "tiny" if args.quick else "31B"
     for name, n, k in [] if args.experts_only else shapes[:1] if args.sweep_only else shapes:
         add(dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, args.quick, on_gpu, with_qmm=False,
-                       mma=not args.sweep_only), rows)  # fmt: skip
+                       mma=not args.sweep_only, read=True), rows)  # fmt: skip
     ex_model = "tiny" if args.quick else "26B-A4B"
     spec = QUICK["tiny"] if args.quick else MODELS["26B-A4B"]
     if not args.sweep_only:
@@ -473,7 +522,8 @@ def main() -> None:
         into.extend(new)
 
     print(f"backend {backend}  kernels {'on' if on_gpu else 'off (references)'}  "
-          f"copy bandwidth {copy['GBps']:.0f} GB/s (a + 1 on {copy['bytes'] // 2 >> 20} MiB)")  # fmt: skip
+          f"copy bandwidth {copy['GBps']:.0f} GB/s (a + 1 on {copy['bytes'] // 2 >> 20} MiB)"
+          + (f", read-only {copy['read_GBps']:.0f} GB/s" if "read_GBps" in copy else ""))  # fmt: skip
     print(f"{'model':8} {'tensor':20} {'impl':26} {'N':>7} {'K':>6} {'M':>2} {'us':>9} {'GB/s':>7} {'copy%':>6}")
     if args.focus:
         focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows)

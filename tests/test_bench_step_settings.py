@@ -35,3 +35,24 @@ def test_step_settings_rejects_unknown_settings():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "step_settings.py"), "--settings", "nope"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "unknown settings" in proc.stderr
+
+
+def test_step_settings_repeats_a_setting_against_one_ptx_cache(tmp_path):
+    out, cache = tmp_path / "cold.json", tmp_path / "ptx"
+    cmd = [sys.executable, str(ROOT / "bench" / "step_settings.py"), "--model", "tiny-ple", "--layers", "4",
+           "--context", "20", "--settings", "default", "--repeat", "2", "--ptx-cache", str(cache), "--steps", "2",
+           "--warmup", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert list(doc["results"]) == ["default", "default#2"] and doc["layers"] == 4
+    for res in doc["results"].values():
+        assert res["env"]["MLX_PTX_CACHE_DIR"] == str(cache)
+        assert res["gemma4_mlx"]["first_steps_s"] > 0
+        assert set(res["ptx_cache"]) == {"modules", "longest_name"}
+
+
+def test_step_settings_rejects_a_cut_that_ends_on_a_sliding_layer():
+    cmd = [sys.executable, str(ROOT / "bench" / "step_settings.py"), "--model", "tiny-dense", "--layers", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--layers 3" in proc.stderr and "full" in proc.stderr
