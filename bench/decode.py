@@ -87,7 +87,7 @@ from gemma4_mlx.cache import RotatingKVCache, make_cache  # noqa: E402
 from gemma4_mlx.compiled_step import CompiledDecoder  # noqa: E402
 from gemma4_mlx.config import FULL, SLIDING, ModelConfig, num_params, preset  # noqa: E402
 from gemma4_mlx.model import Experts, Model  # noqa: E402
-from gemma4_mlx.quantized import BlockEmbedding, BlockExperts, BlockLinear  # noqa: E402
+from gemma4_mlx.quantized import BlockEmbedding, BlockExperts, BlockLinear, fuse_projections  # noqa: E402
 from gemma4_mlx.quants import Q4_0, Q8_0  # noqa: E402
 from gemma4_mlx.sampling import make_sampler  # noqa: E402
 
@@ -190,9 +190,9 @@ def _randomize_floats(model: nn.Module) -> None:
 
 
 def build_ours(cfg: ModelConfig) -> Model:
-    """gemma4_mlx Model as the GPU backends load a Q4_0 GGUF: Q4_0 BlockLinear projections, Q4_0
-    BlockExperts, Q8_0 BlockEmbedding for the token (tied head) and per-layer embeddings, bf16 router
-    and norms. Each tensor is generated and evaluated on the device as it is placed."""
+    """gemma4_mlx Model as the GPU backends load a Q4_0 GGUF: Q4_0 BlockLinear projections (q|k|v
+    and gate|up fused), Q4_0 BlockExperts, Q8_0 BlockEmbedding for the token (tied head) and
+    per-layer embeddings, bf16 router and norms. Each tensor is generated and evaluated on the device as it is placed."""
     model = Model(cfg)  # lazy random init: nothing is computed for the modules swapped below
     swaps = []
     for path, m in model.named_modules():
@@ -213,7 +213,9 @@ def build_ours(cfg: ModelConfig) -> Model:
             module.blocks = device_blocks(module.ggml_type, (module.out_dims,), module.in_dims)
         mx.eval(module.parameters())
         _set_module(model, path, module)
+    del swaps, module  # fuse_projections frees the separate blocks only if nothing else holds them
     _randomize_floats(model)
+    fuse_projections(model)  # as load_gguf does for block weights
     return model
 
 

@@ -307,6 +307,34 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
     return rows
 
 
+def gate_up_case(model, f, k, ms, dtype, quick, on_gpu):
+    """A dense MLP's gate and up projections on rotating [2F, K] Q4_0 sets: two matvecs on the row
+    halves + the GeGLU product in MLX ops (the unfused model) vs qm.gate_up (one launch)."""
+    from gemma4_mlx.model import gelu_tanh
+
+    rb = qm.row_bytes(qm.Q4_0, k)
+    sets = n_sets(2 * f * rb, quick)
+    weights = [random_blocks(qm.Q4_0, (2 * f,), k) for _ in range(sets)]
+    mx.eval(weights)
+    rows = []
+    for m in ms:
+        x = mx.random.normal((m, k)).astype(dtype)
+        mx.eval(x)
+        nbytes = 2 * f * rb + m * k * _dtype_bytes(dtype) + m * f * _dtype_bytes(dtype)
+        variants = {
+            "gate+up+gelu (3 ops)": lambda w: gelu_tanh(qm.quant_matvec(x, w[:f], qm.Q4_0, f))
+            * qm.quant_matvec(x, w[f:], qm.Q4_0, f),
+            "gate_up fused (1 op)": lambda w: qm.gate_up(x, w, qm.Q4_0, f),
+        }
+        for impl, fn in variants.items():
+            calls = [lambda w=w, fn=fn: fn(w) for w in weights]
+            sec = time_rotating(calls, quick)
+            rows.append(dict(model=model, name="ffn_gate+up", impl=impl, N=2 * f, K=k, M=m, sets=sets,
+                             time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
+                             **host_split(calls[:8], quick)))  # fmt: skip
+    return rows
+
+
 def expert_case(model, ex, h, dtype, quick, on_gpu, stream_configs=None, with_mlx=True):
     """26B-A4B expert path at M = 1: fused gate/up (gelu*up) + down over top_k random experts."""
     e, top_k, f = ex["E"], ex["top_k"], ex["F"]
@@ -416,7 +444,8 @@ STREAM_SWEEP = [(1, 4, 4, 8), (1, 4, 4, 8, True), (1, 8, 2, 8, True), (1, 4, 2, 
 
 def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
     """Issue-4 targets only: per-op overhead, 31B FFN gate/down and attn_q(s) at M = 1 and 8 (FMA,
-    tensor-core and stream kernels), the 26B-A4B expert path (FMA and stream kernels, host/device
+    tensor-core and stream kernels; the read probe on the gate's bytes), the 31B gate|up fused vs
+    separate, the 26B-A4B expert path (FMA and stream kernels, host/device
     split), then stream geometries on the FFN gate at M = 1 and on the expert path."""
     overhead_rows.extend(overhead_probe(args.quick))
     shapes = QUICK["tiny"]["proj"] if args.quick else [("ffn_gate/up", 21504, 5376), ("ffn_down", 5376, 21504),
@@ -425,6 +454,9 @@ def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
     for name, n, k in [] if args.experts_only else shapes[:1] if args.sweep_only else shapes:
         add(dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, args.quick, on_gpu, with_qmm=False,
                        mma=not args.sweep_only, read=True), rows)  # fmt: skip
+    if not args.experts_only:
+        name, n, k = shapes[0]
+        add(gate_up_case(model, n, k, (1, 8), dtype, args.quick, on_gpu), rows)
     ex_model = "tiny" if args.quick else "26B-A4B"
     spec = QUICK["tiny"] if args.quick else MODELS["26B-A4B"]
     if not args.sweep_only:

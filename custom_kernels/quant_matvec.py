@@ -21,6 +21,8 @@ Ops (activations bf16, f32 or f16; output dtype = activation dtype; f32 accumula
   [E, 2F, ...] whose rows 0..F-1 are gate and F..2F-1 up (``ffn_gate_up_exps``) ->
   gelu_tanh(gate) * up, [M, k, F], computed in f32 and rounded once.
 - ``quant_matvec(x, blocks, ggml_type, n)``: the dense op chosen by GGML type id (2, 8, 14).
+- ``gate_up(x, blocks, ggml_type, f)``: a dense MLP's gate and up projections stored as one
+  [2F, ...] matrix -> gelu_tanh(gate) * up [..., F] (the expert gate/up kernel, one expert).
 - ``q4_0_moe_down(x, ids, weights, blocks, n)``, ``q8_0_moe_down``: MoE down projection and the
   router-weighted sum over the k slots: x [M, k, K], ids/weights [M, k] -> [M, N] (Q4_0: one launch
   on CUDA).
@@ -69,6 +71,8 @@ __all__ = [
     "q8_0_matvec",
     "q6_k_matvec",
     "quant_matvec",
+    "gate_up",
+    "gate_up_reference",
     "q4_0_matvec_gather",
     "q8_0_matvec_gather",
     "q4_0_gate_up_gather",
@@ -195,11 +199,21 @@ def matvec_reference(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> m
     Large weights (e.g. the 262144-row head) are dequantized in row chunks of at most
     2^26 weights, so the f32 copy never exists whole."""
     k = _check_dense(x, blocks, ggml_type, n)
+    return _matvec_f32(x, blocks, ggml_type, k, n).astype(x.dtype)
+
+
+def _matvec_f32(x: mx.array, blocks: mx.array, ggml_type: int, k: int, n: int) -> mx.array:
     xf = x.astype(mx.float32)
     step = max(1, _CHUNK_WEIGHTS // k)
     parts = [xf @ dequantize(blocks[a : a + step], ggml_type, k).T for a in range(0, n, step)]
-    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
-    return out.astype(x.dtype)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+
+def gate_up_reference(x: mx.array, blocks: mx.array, ggml_type: int, f: int) -> mx.array:
+    """Reference for the dense fused gate/up: gelu_tanh(gate) * up in f32 -> [..., F], x.dtype."""
+    k = _check_dense(x, blocks, ggml_type, 2 * f)
+    gu = _matvec_f32(x, blocks, ggml_type, k, 2 * f)
+    return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
 
 
 def _expert_products(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, k: int) -> mx.array:
@@ -1324,6 +1338,22 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     else:
         out = launch_dense(x2, blocks, ggml_type, n)
     return out.reshape(*lead, n)
+
+
+def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int) -> mx.array:
+    """Dense fused gate/up (an MLP's gate_proj and up_proj stored as one matrix): x [..., K],
+    Q4_0 / Q8_0 blocks [2F, ...] whose rows 0..F-1 are gate and F..2F-1 up -> gelu_tanh(gate) * up
+    [..., F] in x.dtype, computed in f32 and rounded once. 1..8 rows on a GPU: the expert gate/up
+    kernel with the matrix as the only expert (one launch); else the reference."""
+    k = _check_dense(x, blocks, ggml_type, 2 * f)
+    if ggml_type not in (Q4_0, Q8_0):
+        raise ValueError(f"gate_up: Q4_0 or Q8_0 blocks only, got GGML type {ggml_type}")
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    if use_reference() or not 1 <= m <= MAX_ROWS:
+        return gate_up_reference(x, blocks, ggml_type, f)
+    out = _gate_up(x.reshape(m, k), mx.zeros((m, 1), mx.int32), blocks[None], ggml_type, f)
+    return out.reshape(*lead, f)
 
 
 def q4_0_matvec(x: mx.array, blocks: mx.array, n: int) -> mx.array:

@@ -22,7 +22,7 @@ from .config import ModelConfig
 from .gguf import GGMLType, read_gguf
 from .model import ExpertLinear, Model
 from .quantized import (BITS, BLOCK_TYPES, EXPERT_BLOCK_TYPES, GROUP_SIZE, BlockEmbedding, BlockExperts,
-                        BlockLinear, QuantizedEmbedding, QuantizedLinear, quantized_experts)
+                        BlockLinear, QuantizedEmbedding, QuantizedLinear, fuse_projections, quantized_experts)
 from .weights import ROPE_FREQS, UnknownTensorName, gguf_to_hf_name, is_multimodal_tower, strip_hf_prefix
 
 
@@ -152,7 +152,8 @@ def load_gguf(path: str | os.PathLike, dtype=mx.bfloat16, progress: bool = True,
     """From a llama.cpp `gemma4` GGUF file (strictly validated; see gguf.py). Returns (model, metadata).
 
     weight_format: "blocks" keeps Q4_0/Q8_0/Q6_K tensors as the file's raw blocks for the fused
-    GPU kernels (custom_kernels.quant_matvec); "affine" maps Q4_0/Q8_0 to MLX affine quantization
+    GPU kernels (custom_kernels.quant_matvec), each layer's q|k|v and gate|up joined into one matrix
+    (quantized.fuse_projections); "affine" maps Q4_0/Q8_0 to MLX affine quantization
     (mx.quantized_matmul, the CPU path); "auto" picks blocks when custom kernels are in use.
     keep_quantized=False dequantizes every quantized tensor to `dtype` (a float reference model)."""
     if weight_format not in ("auto", "blocks", "affine"):
@@ -177,6 +178,9 @@ def load_gguf(path: str | os.PathLike, dtype=mx.bfloat16, progress: bool = True,
             _release_pages(g.mapping, t.offset, t.nbytes)
             mx.clear_cache()  # freed conversion chunks go back to the OS, not MLX's buffer cache
         _assign(model, params, str(path))
+        params.clear()  # the fused matrices replace the separate blocks: hold no other reference
+        if blocks and keep_quantized:
+            fuse_projections(model)
     finally:
         g.close()
     return model, g.metadata

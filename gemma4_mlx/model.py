@@ -84,19 +84,29 @@ class Attention(nn.Module):
         """x [B, heads, T, d] at positions offset..offset+T-1 (offset: int or int32 array)."""
         return mx.fast.rope(x, self.spec.head_dim, traditional=False, scale=1.0, offset=offset, **self._rope)
 
+    def project(self, x: mx.array) -> list[mx.array]:
+        """q, then k and v where this layer computes them (k only when K = V) [B, T, heads * d]:
+        one launch through `qkv_proj` (quantized.fuse_projections) when the weights are fused."""
+        fused = getattr(self, "qkv_proj", None)
+        if fused is not None and fused.intact():
+            return fused(x)
+        s = self.spec
+        names = ["q_proj"] + ([] if s.kv_shared else ["k_proj"] if s.k_eq_v else ["k_proj", "v_proj"])
+        return [self[n](x) for n in names]
+
     def __call__(self, x, offset, cache, shared_kv, mask_fn):
         """x [B, T, H] -> [B, T, H]. Owners update `cache` and publish (K, V, positions, n_slots) in
         shared_kv[type] for the KV-shared consumers of this step; consumers read it from there."""
         B, T, _ = x.shape
         s = self.spec
-        q = self.q_proj(x).reshape(B, T, s.num_heads, s.head_dim)
-        q = self.rope(self.q_norm(q).transpose(0, 2, 1, 3), offset)
+        q, *kv = self.project(x)
+        q = self.rope(self.q_norm(q.reshape(B, T, s.num_heads, s.head_dim)).transpose(0, 2, 1, 3), offset)
         n_slots = None
         if s.kv_shared:
             keys, values, positions, n_slots = shared_kv[s.type]
         else:
-            k = self.k_proj(x).reshape(B, T, s.num_kv_heads, s.head_dim)
-            v = k if s.k_eq_v else self.v_proj(x).reshape(B, T, s.num_kv_heads, s.head_dim)
+            k = kv[0].reshape(B, T, s.num_kv_heads, s.head_dim)
+            v = k if s.k_eq_v else kv[1].reshape(B, T, s.num_kv_heads, s.head_dim)
             k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
             v = self.v_norm(v).transpose(0, 2, 1, 3)
             if cache is not None:
@@ -122,6 +132,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(width, hidden, bias=False)
 
     def __call__(self, x):
+        fused = getattr(self, "gate_up_proj", None)  # quantized.fuse_projections: one launch
+        if fused is not None and fused.intact():
+            return self.down_proj(fused.gelu_product(x))
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 

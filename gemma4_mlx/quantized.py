@@ -145,3 +145,70 @@ class BlockExperts(nn.Module):
         # down projection and router-weighted sum over the k slots, f32 sums
         y = moe_down(gate_up, ids, weights.reshape(ids.shape), self.down_blocks, self.hidden)
         return y.reshape(*lead, self.hidden)
+
+
+class FusedBlockLinear:
+    """BlockLinear modules that read one input, as one matrix: blocks uint8 [sum(out), row_bytes]
+    is the only copy of their weights, and each module's `blocks` becomes a row-slice view of it.
+
+    One matvec launch instead of one per module (q|k|v; gate|up with the GeGLU product fused in).
+    A plain object, not an nn.Module: the model's parameters keep the checkpoint's names (the
+    views). If a module's `blocks` is later replaced (load_weights), `intact()` turns False and the
+    model falls back to the separate modules."""
+
+    def __init__(self, modules: list[BlockLinear]):
+        self.modules = modules
+        self.ggml_type = modules[0].ggml_type
+        self.sizes = [m.out_dims for m in modules]
+        self.blocks = mx.concatenate([m.blocks for m in modules], axis=0)
+        mx.eval(self.blocks)
+        bounds = [0]
+        for n in self.sizes:
+            bounds.append(bounds[-1] + n)
+        self.splits = bounds[1:-1]
+        for m, a, b in zip(modules, bounds[:-1], bounds[1:]):
+            m.blocks = self.blocks[a:b]
+        self.views = [m.blocks for m in modules]
+        mx.eval(self.views)
+
+    def intact(self) -> bool:
+        """True while every module still holds its view of the fused matrix."""
+        return all(m.blocks is v for m, v in zip(self.modules, self.views))
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        """x [..., K] -> one output [..., out_i] per module (views of one matvec's result)."""
+        from custom_kernels.quant_matvec import quant_matvec
+
+        y = quant_matvec(x, self.blocks, self.ggml_type, sum(self.sizes))
+        return mx.split(y, self.splits, axis=-1)
+
+    def gelu_product(self, x: mx.array) -> mx.array:
+        """Two modules (gate, up) of equal width F: gelu_tanh(x @ gate.T) * (x @ up.T) [..., F]."""
+        from custom_kernels.quant_matvec import gate_up
+
+        return gate_up(x, self.blocks, self.ggml_type, self.sizes[0])
+
+
+def _fusable(modules: list) -> bool:
+    return (len(modules) >= 2 and all(isinstance(m, BlockLinear) and not isinstance(m, BlockEmbedding)
+                                      for m in modules)
+            and len({(m.ggml_type, m.in_dims) for m in modules}) == 1)  # fmt: skip
+
+
+def fuse_projections(model) -> int:
+    """Join each layer's BlockLinear q|k|v (attention `qkv_proj`) and gate|up (MLP `gate_up_proj`,
+    Q4_0 / Q8_0 only) into FusedBlockLinear matrices; returns how many were made. Call once the
+    weights are loaded: peak memory grows by one fused matrix at a time, then the separate copies
+    are freed (the caller must hold no other reference to them)."""
+    made = 0
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [m for m in (attn.get("q_proj"), attn.get("k_proj"), attn.get("v_proj")) if m is not None]
+        if _fusable(qkv):
+            attn.qkv_proj = FusedBlockLinear(qkv)
+            made += 1
+        gu = [mlp.get("gate_proj"), mlp.get("up_proj")]
+        if _fusable(gu) and gu[0].ggml_type in (Q4_0, Q8_0) and gu[0].out_dims == gu[1].out_dims:
+            mlp.gate_up_proj = FusedBlockLinear(gu)
+            made += 1
+    return made

@@ -126,6 +126,26 @@ def test_gate_up_kernels(fmt, dtype):
                 _check(out, want, bound, dtype, f"{fmt} gate_up M={m} F={f} K={k} {cfg}")
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_dense_gate_up_op(fmt, dtype):
+    """qm.gate_up (a dense MLP's fused gate|up, the expert kernel with one expert) at M = 1..8."""
+    ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0}[fmt]
+    rng = np.random.default_rng(31)
+    for f, k in ((1001, 1056), (21, 5376)):
+        raw = qm.random_blocks(rng, ggml_type, (2 * f,), k)
+        w64 = qm.dequantize_f64(raw, ggml_type)
+        for m in range(1, 9):
+            x, x64 = _acts(rng, (m, k), dtype)
+            gu, mag = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+            g, u = gu[:, :f], gu[:, f:]
+            want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
+            bound = (np.abs(g) + mag[:, :f]) * (np.abs(u) + mag[:, f:])
+            out = qm.gate_up(x, mx.array(raw), ggml_type, f)
+            assert out.shape == (m, f) and out.dtype == dtype
+            _check(out, want, bound, dtype, f"{fmt} dense gate_up M={m} F={f} K={k}")
+
+
 def test_gather_invalid_expert_gives_nan():
     rng = np.random.default_rng(13)
     blocks = mx.array(qm.random_blocks(rng, qm.Q4_0, (4, 40), 64))

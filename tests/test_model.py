@@ -133,6 +133,10 @@ def test_raw_block_weights_match_affine_weights(any_fixture, qtype):
     blocks, _ = load_gguf(path, dtype=mx.float32, progress=False, weight_format="blocks")
     affine, _ = load_gguf(path, dtype=mx.float32, progress=False, weight_format="affine")
     assert isinstance(blocks.layers[0].mlp.gate_proj, BlockLinear)
+    for layer in blocks.layers:  # one matrix per layer for q|k|v (k|v unless KV-shared) and gate|up
+        attn = layer.self_attn
+        assert (getattr(attn, "qkv_proj", None) is not None) == (not attn.spec.kv_shared)
+        assert layer.mlp.gate_up_proj.intact()
     if any_fixture.variant == "moe":
         assert isinstance(blocks.layers[0].experts, BlockExperts)
     ids = ids_for(any_fixture, 24, seed=15)
@@ -142,6 +146,30 @@ def test_raw_block_weights_match_affine_weights(any_fixture, qtype):
         b = np.array(blocks(mx.array(chunk[None]), cache_b))
         assert rel_err(b, a) <= 1e-5
         assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_fused_projections_share_one_copy_and_fall_back_when_replaced(any_fixture):
+    """fuse_projections: each module's blocks is a view of the fused matrix holding the file's
+    bytes; a module whose blocks are replaced afterwards turns the fused path off (same logits)."""
+    from gemma4_mlx.gguf import read_gguf
+    from gemma4_mlx.weights import hf_to_gguf_name
+
+    path = any_fixture.gguf("q4_0")
+    model, _ = load_gguf(path, dtype=mx.float32, progress=False, weight_format="blocks")
+    mlp, attn = model.layers[0].mlp, model.layers[0].self_attn
+    g = read_gguf(path)
+    try:
+        want = np.array(g.tensors[hf_to_gguf_name("model.layers.0.mlp.up_proj.weight")].data).reshape(-1)
+    finally:
+        g.close()
+    assert (np.array(mlp.up_proj.blocks).reshape(-1) == want).all()
+    assert mlp.gate_up_proj.blocks.shape[0] == mlp.gate_proj.out_dims + mlp.up_proj.out_dims
+    ids = mx.array(ids_for(any_fixture, 9, seed=4)[None])
+    fused = np.array(model(ids))
+    mlp.update({"gate_proj": {"blocks": mx.array(np.array(mlp.gate_proj.blocks))}})
+    attn.update({"q_proj": {"blocks": mx.array(np.array(attn.q_proj.blocks))}})
+    assert not mlp.gate_up_proj.intact() and not attn.qkv_proj.intact()
+    assert rel_err(np.array(model(ids)), fused) <= 1e-5
 
 
 def test_bf16_argmax_agrees_with_f32(any_fixture, f32_models):

@@ -115,6 +115,29 @@ def test_gate_up_reference_vs_float64(fmt):
     _within(out, want, (np.abs(g) + mag[..., :f]) * (np.abs(u) + mag[..., f:]), 1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_dense_gate_up_vs_float64(fmt):
+    """A dense MLP's gate|up as one [2F, ...] matrix (reference and public op; on CPU the op is the
+    reference), for [..., K] inputs of 1..8 rows and of more (prefill)."""
+    ggml_type, k = FORMATS[fmt]
+    rng = np.random.default_rng(23)
+    f = 13
+    raw = qm.random_blocks(rng, ggml_type, (2 * f,), k)
+    w64 = qm.dequantize_f64(raw, ggml_type)
+    for shape in ((1, k), (2, 3, k), (12, k)):
+        x, x64 = _to_mx(rng.standard_normal(shape), mx.float32)
+        gu, mag = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+        g, u = gu[..., :f], gu[..., f:]
+        want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
+        bound = (np.abs(g) + mag[..., :f]) * (np.abs(u) + mag[..., f:])
+        for out in (qm.gate_up_reference(x, mx.array(raw), ggml_type, f), qm.gate_up(x, mx.array(raw), ggml_type, f)):
+            assert out.shape == (*shape[:-1], f) and out.dtype == mx.float32
+            _within(np.array(out), want, bound, 1e-5)
+    with pytest.raises(ValueError, match="Q4_0 or Q8_0"):
+        q6 = qm.random_blocks(rng, qm.Q6_K, (2 * f,), 256)
+        qm.gate_up(mx.ones((1, 256)), mx.array(q6), qm.Q6_K, f)
+
+
 @pytest.mark.parametrize("ggml_type, op", [(qm.Q4_0, qm.q4_0_moe_down), (qm.Q8_0, qm.q8_0_moe_down)])
 def test_moe_down_reference_vs_float64(ggml_type, op):
     """Fused down projection + router-weighted sum over slots (reference and public op; on CPU
