@@ -195,7 +195,7 @@ def copy_bandwidth(quick: bool) -> dict:
     nbytes = 2 * 4 * n
     out = {"bytes": nbytes, "time_us": sec * 1e6, "GBps": nbytes / sec / 1e9}
     if custom_kernels.backend() == "cuda" and not custom_kernels.use_reference():
-        views = [mx.view(a, mx.uint8).reshape(-1, 16) for a in arrays]
+        views = [mx.view(a, mx.uint8).reshape(-1, 4096) for a in arrays]
         rsec = time_rotating([lambda v=v: read_probe(v) for v in views], quick)
         out["read_GBps"] = 4 * n / rsec / 1e9  # the read probe over the same arrays: bytes read only
     return out
@@ -206,43 +206,78 @@ def copy_bandwidth(quick: bool) -> dict:
 
 
 _READ_KERNEL = None
-_READ_GRID = (2048, 256)  # blocks, threads: >= 8 blocks per SM on an H200 (132 SMs)
+_READ_GRID = (2048, 256)  # blocks, threads of the grid-stride order: >= 8 blocks per SM on an H200
+READ_ORDERS = {0: "grid-stride", 1: "warp owns 4 rows, reads them in order", 2: "warp owns 16 rows, 144 B of each per step"}
 
 
-def read_probe(w: mx.array) -> mx.array:
-    """CUDA only: every 16-byte word of w (bytes, a multiple of 16) read once, XOR-folded to one
-    uint32 per warp. The rate a kernel that only reads these bytes reaches in this harness."""
+def read_probe(w: mx.array, order: int = 0) -> mx.array:
+    """CUDA only: every 16-byte word of w read once, XOR-folded to one uint32 per warp: the rate a
+    kernel that only reads these bytes reaches in this harness. w: bytes [N, row_bytes] (total a
+    multiple of 16). order 0: grid-stride over the whole array (each warp instruction 512
+    contiguous bytes); 1: each warp reads its 4 consecutive rows front to back (rows 16-byte
+    aligned); 2: the stream matvec's order, each warp 16 rows, a 144-byte piece of each per step
+    (row_bytes a multiple of 144)."""
     global _READ_KERNEL
     if _READ_KERNEL is None:
         _READ_KERNEL = mx.fast.cuda_kernel(name="g4_bench_read", input_names=["w"], output_names=["o"], source="""
   const uint4* p = reinterpret_cast<const uint4*>(w);
-  const size_t n16 = (size_t)w_shape[0] * (size_t)w_shape[1] / 16;
-  const size_t stride = (size_t)gridDim.x * blockDim.x;
-  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const size_t rb16 = (size_t)w_shape[1] / 16;
+  const size_t n16 = (size_t)w_shape[0] * rb16;
+  const size_t gt = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int lane = (int)(threadIdx.x & 31u);
   uint32_t acc = 0;
-  for (; i + 3 * stride < n16; i += 4 * stride) {
-    const uint4 a = __ldg(p + i), b = __ldg(p + i + stride), c = __ldg(p + i + 2 * stride), d = __ldg(p + i + 3 * stride);
-    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+  if (ORDER == 0) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t i = gt;
+    for (; i + 3 * stride < n16; i += 4 * stride) {
+      const uint4 a = __ldg(p + i), b = __ldg(p + i + stride), c = __ldg(p + i + 2 * stride), d = __ldg(p + i + 3 * stride);
+      acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+    }
+    for (; i < n16; i += stride) { const uint4 a = __ldg(p + i); acc ^= a.x ^ a.y ^ a.z ^ a.w; }
+  } else if (ORDER == 1) {
+    const size_t begin = (gt >> 5) * 4 * rb16, end = min(begin + 4 * rb16, n16);
+    _Pragma("unroll 4") for (size_t i = begin + lane; i < end; i += 32) { const uint4 a = __ldg(p + i); acc ^= a.x ^ a.y ^ a.z ^ a.w; }
+  } else {
+    const size_t row0 = (gt >> 5) * 16;
+    const int steps = (int)(rb16 / 9);
+    _Pragma("unroll 2") for (int g = 0; g < steps; ++g) {
+      for (int c = lane; c < 16 * 9; c += 32) {
+        const size_t row = row0 + c / 9;
+        if (row < (size_t)w_shape[0]) { const uint4 a = __ldg(p + row * rb16 + 9 * g + c % 9); acc ^= a.x ^ a.y ^ a.z ^ a.w; }
+      }
+    }
   }
-  for (; i < n16; i += stride) { const uint4 a = __ldg(p + i); acc ^= a.x ^ a.y ^ a.z ^ a.w; }
   for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
-  if ((threadIdx.x & 31u) == 0) o[((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5] = acc;
+  if (lane == 0) o[gt >> 5] = acc;
 """)  # fmt: skip
-    blocks, threads = _READ_GRID
-    return _READ_KERNEL(inputs=[w], grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1),
-                        output_shapes=[(blocks * threads // 32,)], output_dtypes=[mx.uint32])[0]  # fmt: skip
+    n, rb = w.shape
+    if order == 0:
+        blocks, threads = _READ_GRID
+    else:
+        threads = 128
+        warps = -(-n // (4 if order == 1 else 16))
+        blocks = -(-warps // (threads // 32))
+    return _READ_KERNEL(inputs=[w], template=[("ORDER", order)], grid=(blocks * threads, 1, 1),
+                        threadgroup=(threads, 1, 1), output_shapes=[(blocks * threads // 32,)],
+                        output_dtypes=[mx.uint32], init_value=0)[0]  # fmt: skip
 
 
-def read_probe_row(model, name, n, k, weights, quick) -> dict:
-    """Time read_probe over the same rotating weight sets as a kernel row (checked against numpy)."""
+def read_probe_rows(model, name, n, k, weights, quick) -> list[dict]:
+    """Time read_probe in each order over the same rotating weight sets as a kernel row (each
+    checked against numpy's XOR of the same bytes)."""
     w0 = weights[0]
     want = np.bitwise_xor.reduce(np.array(w0).reshape(-1).view(np.uint32))
-    got = np.bitwise_xor.reduce(np.array(read_probe(w0)))
-    if w0.nbytes % 16 or got != want:
-        raise RuntimeError(f"read probe: XOR {got:#x} != {want:#x} (or bytes not a multiple of 16)")
-    sec = time_rotating([lambda w=w: read_probe(w) for w in weights], quick)
-    return dict(model=model, name=name, impl="read_probe (same bytes)", N=n, K=k, M=1, sets=len(weights),
-                time_us=sec * 1e6, bytes=w0.nbytes, GBps=w0.nbytes / sec / 1e9, config=list(_READ_GRID))
+    rows = []
+    for order, what in READ_ORDERS.items():
+        if order == 2 and w0.shape[1] % 144:
+            continue
+        got = np.bitwise_xor.reduce(np.array(read_probe(w0, order)))
+        if w0.nbytes % 16 or got != want:
+            raise RuntimeError(f"read probe {what}: XOR {got:#x} != {want:#x} (or bytes not a multiple of 16)")
+        sec = time_rotating([lambda w=w: read_probe(w, order) for w in weights], quick)
+        rows.append(dict(model=model, name=name, impl=f"read probe: {what}", N=n, K=k, M=1, sets=len(weights),
+                         time_us=sec * 1e6, bytes=w0.nbytes, GBps=w0.nbytes / sec / 1e9))  # fmt: skip
+    return rows
 
 
 def _dtype_bytes(dtype) -> int:
@@ -260,7 +295,7 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
     mx.eval(weights)
     rows = []
     if read and on_gpu and custom_kernels.backend() == "cuda":
-        rows.append(read_probe_row(model, name, n, k, weights, quick))
+        rows.extend(read_probe_rows(model, name, n, k, weights, quick))
     for m in ms:
         x = mx.random.normal((m, k)).astype(dtype)
         mx.eval(x)
@@ -448,9 +483,14 @@ def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
     separate, the 26B-A4B expert path (FMA and stream kernels, host/device
     split), then stream geometries on the FFN gate at M = 1 and on the expert path."""
     overhead_rows.extend(overhead_probe(args.quick))
+    model = "tiny" if args.quick else "31B"
+    if args.probe_only:
+        name, n, k = QUICK["tiny"]["proj"][0] if args.quick else ("ffn_gate/up", 21504, 5376)
+        add(dense_case(model, name, qm.Q4_0, n, k, (), dtype, args.quick, on_gpu, with_qmm=False, read=True), rows)
+        add(gate_up_case(model, n, k, (1, 8), dtype, args.quick, on_gpu), rows)
+        return
     shapes = QUICK["tiny"]["proj"] if args.quick else [("ffn_gate/up", 21504, 5376), ("ffn_down", 5376, 21504),
                                                         ("attn_q(s)", 8192, 5376)]  # fmt: skip
-    model = "tiny" if args.quick else "31B"
     for name, n, k in [] if args.experts_only else shapes[:1] if args.sweep_only else shapes:
         add(dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, args.quick, on_gpu, with_qmm=False,
                        mma=not args.sweep_only, read=True), rows)  # fmt: skip
@@ -516,6 +556,8 @@ def main() -> None:
     ap.add_argument("--experts-only", action="store_true", help="with --focus: only the overhead probe and the "
                     "expert path (e.g. to rerun it under other MLX_* graph settings)")  # fmt: skip
     ap.add_argument("--sweep-only", action="store_true", help="with --focus: only the stream geometry sweep")
+    ap.add_argument("--probe-only", action="store_true", help="with --focus: only the read probes on the 31B FFN "
+                    "gate's bytes and the fused vs separate gate|up")  # fmt: skip
     ap.add_argument("--focus", action="store_true", help="only the issue-4 targets (31B FFN, 26B-A4B experts), "
                     "the per-op overhead probe and a sweep of the CUDA stream kernels' geometry")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/kernels-<backend>-<date>.json)")

@@ -1248,11 +1248,10 @@ def plan_stream(kind: str, m: int, n: int, k: int, slots: int = 1, x_per_pair: b
 STREAM_KERNELS: bool | None = None
 """Whether dispatch sends Q4_0 with bf16 activations on CUDA to the stream kernels: dense at
 M >= STREAM_MIN_ROWS (replacing the tensor-core kernel), gathered, fused gate/up and fused down +
-weighted sum at any M <= 8. They passed the operator tests of ``pytest -m gpu`` on the H200 and
-measured faster there (bench/NOTES.md, 2026-11-29): 31B FFN gate M = 8 38-39 us vs 45 us (mma);
-26B-A4B expert step with the router-weighted sum 24.6 us vs 52.2 us. The model-level GPU checks
-(tests/test_model_gpu.py) have not yet run with them, so by default (None) they are opt-in as the
-kernel family "quant_matvec_stream" (custom_kernels.UNPROVEN_ENV); True/False force them."""
+weighted sum at any M <= 8. They passed ``pytest -m gpu`` on the H200 (operator and model-level
+checks) and measured faster there (bench/NOTES.md, 2026-11-29): 31B FFN gate M = 8 38-39 us vs 45 us
+(mma); 26B-A4B expert step with the router-weighted sum 24.6 us vs 52.2 us. None: on where the
+kernel family "quant_matvec_stream" is (custom_kernels.PROVEN); True/False force them."""
 
 STREAM_MIN_ROWS = 2
 """Dense M below this keeps the f32-FMA kernel: at M = 1 the stream kernel measured the same
