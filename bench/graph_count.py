@@ -1,0 +1,134 @@
+"""Primitives of one decode step's graph as a GPU build runs it, counted on any machine (CPU too).
+
+MLX spends host time per primitive of the graph it evaluates (bench/NOTES.md, session 4: ~0.4 ms
+per 31B layer, ~5.5 us per primitive on average), so the primitive count per layer is the number
+to cut. On a CPU build the model would take the reference paths, so this script pretends to be a
+CUDA build: custom_kernels.backend() answers "cuda" and mx.fast.cuda_kernel returns a stand-in
+whose outputs are one `Depends` primitive on all the kernel's inputs (counted as CustomKernel).
+Nothing is evaluated; the graph of one uncompiled step (token -> final hidden state, and the head)
+is exported with mx.export_to_dot and counted by primitive name.
+
+    python bench/graph_count.py [--model 31B] [--layers 6] [--context 64] [--out counts.json]
+"""
+
+from __future__ import annotations
+
+import gemma4_mlx  # noqa: F401,I001  first: the BLAS preload must come before mlx.core is imported
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import tempfile
+
+import mlx.core as mx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode  # noqa: E402  (bench/decode.py)
+from step_settings import model_config  # noqa: E402
+
+import custom_kernels  # noqa: E402
+from custom_kernels import attention, quant_matvec, sampling  # noqa: E402
+
+_ZEROS: dict = {}
+_FAST_CALLS: collections.Counter = collections.Counter()  # stand-in mx.fast ops, by GPU primitive name
+
+
+def _zeros(shape, dtype) -> mx.array:
+    key = (tuple(shape), dtype)
+    if key not in _ZEROS:
+        _ZEROS[key] = mx.zeros(shape, dtype)
+        mx.eval(_ZEROS[key])
+    return _ZEROS[key]
+
+
+def _fast_stand_in(name: str):
+    """mx.fast.rms_norm / rope are one primitive on a GPU but a composite of ~8 ops on the CPU:
+    a stand-in with one Depends primitive, counted under the GPU primitive's name."""
+
+    def call(x, *args, **kwargs):
+        _FAST_CALLS[name] += 1
+        deps = [a for a in (*args, *kwargs.values()) if isinstance(a, mx.array)]
+        return mx.depends([_zeros(x.shape, x.dtype)], [x, *deps])[0]
+
+    return call
+
+
+def _stand_in_kernel(**_kw):
+    """What mx.fast.cuda_kernel returns here: outputs of the requested shapes that depend on every
+    input through one Depends primitive (the zeros are evaluated leaves, not primitives)."""
+
+    def call(*, inputs, output_shapes, output_dtypes, **_launch):
+        outs = [_zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return mx.depends(outs, [x if isinstance(x, mx.array) else mx.array(x) for x in inputs])
+
+    return call
+
+
+def pretend_cuda() -> None:
+    """Route the model through the CUDA kernel paths without a GPU (for counting only)."""
+    for module in (custom_kernels, quant_matvec, attention, sampling):
+        if hasattr(module, "backend"):
+            module.backend = lambda: "cuda"
+    custom_kernels.clear_kernel_cache()
+    mx.fast.cuda_kernel = _stand_in_kernel
+    mx.fast.rms_norm = _fast_stand_in("RMSNorm")
+    mx.fast.rope = _fast_stand_in("RoPE")
+
+
+def count(arrays: list[mx.array], fast_calls: dict) -> dict:
+    """Primitives by name in the graph of `arrays`; the Depends of the stand-ins are reported as
+    the GPU primitives they stand for (`fast_calls` of them mx.fast ops, the rest CustomKernel)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "graph.dot")
+        mx.export_to_dot(path, *arrays)
+        with open(path) as fh:
+            names = re.findall(r'label\s*=\s*"([A-Za-z_]+)', fh.read())
+    counts = collections.Counter(x for x in names if x[0].isupper())
+    depends = counts.pop("Depends", 0)
+    counts.update(fast_calls)
+    counts["CustomKernel"] = depends - sum(fast_calls.values())
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def step_counts(cfg, context: int) -> dict:
+    """Build `cfg` as bench/decode.py does (Q4_0 blocks, fused projections) and count one decode
+    step's primitives at `context` positions, as a CUDA build would run it."""
+    from gemma4_mlx.cache import make_static
+
+    pretend_cuda()
+    _FAST_CALLS.clear()
+    model = decode.build_ours(cfg)
+    caches = make_static(decode.ours_cache(cfg, context), -(-(context + 8) // 256) * 256)
+    hidden = model.model(mx.array([[3]], mx.int32), caches)[:, -1, :]
+    body = count([hidden], dict(_FAST_CALLS))
+    step = count([model.logits(hidden)], dict(_FAST_CALLS))
+    layers = cfg.num_hidden_layers
+    return dict(layers=layers, context=context, body=body, with_head=step, body_total=sum(body.values()),
+                per_layer=sum(body.values()) / layers,
+                per_layer_by_kind={k: round(v / layers, 2) for k, v in body.items()})  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="31B")
+    ap.add_argument("--layers", type=int, default=6, help="the model's first N layers (last must be full)")
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--out", default=None, help="JSON path (default: print only)")
+    args = ap.parse_args(argv)
+    doc = dict(model=args.model, **step_counts(model_config(args.model, args.layers), args.context))
+    layers, body = doc["layers"], doc["body"]
+    print(f"{args.model}, {layers} layers: {doc['body_total']} primitives in the body "
+          f"({doc['per_layer']:.1f} per layer), {sum(doc['with_head'].values())} with the head")
+    for name, n in body.items():
+        print(f"  {name:24s} {n:5d}  {n / layers:6.2f} per layer")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
