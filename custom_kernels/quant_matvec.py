@@ -22,7 +22,8 @@ Ops (activations bf16, f32 or f16; output dtype = activation dtype; f32 accumula
   gelu_tanh(gate) * up, [M, k, F], computed in f32 and rounded once.
 - ``quant_matvec(x, blocks, ggml_type, n)``: the dense op chosen by GGML type id (2, 8, 14).
 - ``gate_up(x, blocks, ggml_type, f)``: a dense MLP's gate and up projections stored as one
-  [2F, ...] matrix -> gelu_tanh(gate) * up [..., F] (the expert gate/up kernel, one expert).
+  [2F, ...] matrix -> gelu_tanh(gate) * up [..., F] (one row: the expert gate/up kernel with one
+  expert; 2..8 rows: the dense kernel, then the product).
 - ``q4_0_moe_down(x, ids, weights, blocks, n)``, ``q8_0_moe_down``: MoE down projection and the
   router-weighted sum over the k slots: x [M, k, K], ids/weights [M, k] -> [M, N] (Q4_0: one launch
   on CUDA).
