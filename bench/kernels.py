@@ -342,6 +342,37 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
     return rows
 
 
+ROWS_SWEEP = [(4, 4, 64, 2), (8, 2, 128, 4), (4, 4, 128, 2), (8, 4, 64, 2), (16, 4, 64, 2), (2, 8, 32, 2),
+              (4, 8, 128, 4), (8, 4, 128, 1)]  # (rows per warp, warps, blocks per chunk, lanes per block)
+
+
+def rows_case(model, name, ggml_type, n, k, dtype, quick, on_gpu, geometries=ROWS_SWEEP) -> list[dict]:
+    """CUDA rows kernel (custom_kernels.quant_matvec_rows) at M = 1 on rotating [N, K] sets, per geometry."""
+    from custom_kernels import quant_matvec_rows as qr
+
+    if not (on_gpu and custom_kernels.backend() == "cuda" and qr.rows_supported(ggml_type, k)):
+        return []
+    rb = qm.row_bytes(ggml_type, k)
+    sets = n_sets(n * rb, quick)
+    weights = [random_blocks(ggml_type, (n,), k) for _ in range(sets)]
+    x = mx.random.normal((1, k)).astype(dtype)
+    mx.eval(weights, x)
+    nbytes = n * rb + k * _dtype_bytes(dtype) + n * _dtype_bytes(dtype)
+    rows = []
+    for geometry in geometries:
+        cfg = qr.RowsConfig(*geometry)
+        try:
+            calls = [lambda w=w: qr.launch_dense_rows(x, w, ggml_type, n, config=cfg) for w in weights]
+            sec = time_rotating(calls, quick)
+        except Exception as exc:  # noqa: BLE001  (a geometry the device rejects)
+            rows.append(dict(model=model, name=name, M=1, config=list(geometry), error=str(exc)[:200]))
+            continue
+        rows.append(dict(model=model, name=name, impl=f"{qm._fmt(ggml_type).name}_matvec_rows", N=n, K=k, M=1,
+                         sets=sets, time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
+                         config=list(geometry), **host_split(calls[:8], quick)))  # fmt: skip
+    return rows
+
+
 def gate_up_case(model, f, k, ms, dtype, quick, on_gpu):
     """A dense MLP's gate and up projections on rotating [2F, K] Q4_0 sets: two matvecs on the row
     halves + the GeGLU product in MLX ops (the unfused model) vs qm.gate_up (one launch)."""
@@ -486,7 +517,11 @@ def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
     model = "tiny" if args.quick else "31B"
     if args.probe_only:
         name, n, k = QUICK["tiny"]["proj"][0] if args.quick else ("ffn_gate/up", 21504, 5376)
-        add(dense_case(model, name, qm.Q4_0, n, k, (), dtype, args.quick, on_gpu, with_qmm=False, read=True), rows)
+        add(dense_case(model, name, qm.Q4_0, n, k, (1,), dtype, args.quick, on_gpu, with_qmm=False, mma=False,
+                       read=True), rows)  # fmt: skip
+        add(rows_case(model, name, qm.Q4_0, n, k, dtype, args.quick, on_gpu), rows)
+        if not args.quick:
+            add(rows_case("31B", "head (tied)", qm.Q8_0, VOCAB, 5376, dtype, args.quick, on_gpu, ROWS_SWEEP[:3]), rows)
         add(gate_up_case(model, n, k, (1, 8), dtype, args.quick, on_gpu), rows)
         return
     shapes = QUICK["tiny"]["proj"] if args.quick else [("ffn_gate/up", 21504, 5376), ("ffn_down", 5376, 21504),
@@ -557,7 +592,8 @@ def main() -> None:
                     "expert path (e.g. to rerun it under other MLX_* graph settings)")  # fmt: skip
     ap.add_argument("--sweep-only", action="store_true", help="with --focus: only the stream geometry sweep")
     ap.add_argument("--probe-only", action="store_true", help="with --focus: only the read probes on the 31B FFN "
-                    "gate's bytes and the fused vs separate gate|up")  # fmt: skip
+                    "gate's bytes, the M = 1 kernels there (FMA, stream, the rows kernel's geometries; the rows "
+                    "kernel on the Q8_0 head too) and the fused vs separate gate|up")  # fmt: skip
     ap.add_argument("--focus", action="store_true", help="only the issue-4 targets (31B FFN, 26B-A4B experts), "
                     "the per-op overhead probe and a sweep of the CUDA stream kernels' geometry")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/kernels-<backend>-<date>.json)")

@@ -1331,7 +1331,11 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     if use_reference() or not 1 <= m <= MAX_ROWS:
         return matvec_reference(x, blocks, ggml_type, n)
     x2 = x.reshape(m, x.shape[-1])
-    if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1], m):
+    from .quant_matvec_rows import launch_dense_rows, use_rows
+
+    if use_rows(ggml_type, m, x.shape[-1]):
+        out = launch_dense_rows(x2, blocks, ggml_type, n)
+    elif ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1], m):
         out = launch_dense_stream(x2, blocks, n)
     elif ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
         out = launch_dense_mma(x2, blocks, n)
