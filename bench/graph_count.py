@@ -8,7 +8,7 @@ whose outputs are one `Depends` primitive on all the kernel's inputs (counted as
 Nothing is evaluated; the graph of one uncompiled step (token -> final hidden state, and the head)
 is exported with mx.export_to_dot and counted by primitive name.
 
-    python bench/graph_count.py [--model 31B] [--layers 6] [--context 64] [--out counts.json]
+    python bench/graph_count.py [--model 31B] [--layers 6] [--context 64] [--unfused] [--out counts.json]
 """
 
 from __future__ import annotations
@@ -93,14 +93,20 @@ def count(arrays: list[mx.array], fast_calls: dict) -> dict:
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def step_counts(cfg, context: int) -> dict:
-    """Build `cfg` as bench/decode.py does (Q4_0 blocks, fused projections) and count one decode
-    step's primitives at `context` positions, as a CUDA build would run it."""
+def step_counts(cfg, context: int, fused: bool = True) -> dict:
+    """Build `cfg` as bench/decode.py does (Q4_0 blocks; fused projections unless `fused` is False)
+    and count one decode step's primitives at `context` positions, as a CUDA build would run it."""
     from gemma4_mlx.cache import make_static
 
     pretend_cuda()
     _FAST_CALLS.clear()
-    model = decode.build_ours(cfg)
+    fuse = decode.fuse_projections
+    try:
+        if not fused:
+            decode.fuse_projections = lambda model: 0
+        model = decode.build_ours(cfg)
+    finally:
+        decode.fuse_projections = fuse
     caches = make_static(decode.ours_cache(cfg, context), -(-(context + 8) // 256) * 256)
     hidden = model.model(mx.array([[3]], mx.int32), caches)[:, -1, :]
     body = count([hidden], dict(_FAST_CALLS))
@@ -116,9 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="31B")
     ap.add_argument("--layers", type=int, default=6, help="the model's first N layers (last must be full)")
     ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--unfused", action="store_true", help="without quantized.fuse_projections")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = ap.parse_args(argv)
-    doc = dict(model=args.model, **step_counts(model_config(args.model, args.layers), args.context))
+    doc = dict(model=args.model, fused=not args.unfused,
+               **step_counts(model_config(args.model, args.layers), args.context, not args.unfused))
     layers, body = doc["layers"], doc["body"]
     print(f"{args.model}, {layers} layers: {doc['body_total']} primitives in the body "
           f"({doc['per_layer']:.1f} per layer), {sum(doc['with_head'].values())} with the head")

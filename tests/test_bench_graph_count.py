@@ -43,6 +43,8 @@ def test_counts_the_gpu_paths_primitives(graph_count):
     assert "Rsqrt" not in body and "Cos" not in body  # no CPU composite of the fast ops is counted
     assert doc["per_layer"] == pytest.approx(doc["body_total"] / layers)
     assert sum(doc["with_head"].values()) > doc["body_total"]  # the head adds its matvec and softcap
+    unfused = graph_count.step_counts(cfg, 40, fused=False)["body"]
+    assert unfused["CustomKernel"] > body["CustomKernel"] and "Split" not in unfused
 
 
 def test_command_line_writes_the_counts(graph_count, tmp_path, capsys):
