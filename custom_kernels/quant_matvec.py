@@ -1331,7 +1331,7 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     if use_reference() or not 1 <= m <= MAX_ROWS:
         return matvec_reference(x, blocks, ggml_type, n)
     x2 = x.reshape(m, x.shape[-1])
-    from .quant_matvec_rows import launch_dense_rows, use_rows
+    from .quant_matvec_rows import launch_dense_rows, use_rows  # here: that module imports this one
 
     if use_rows(ggml_type, m, x.shape[-1]):
         out = launch_dense_rows(x2, blocks, ggml_type, n)
