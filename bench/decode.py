@@ -192,7 +192,8 @@ def _randomize_floats(model: nn.Module) -> None:
 def build_ours(cfg: ModelConfig) -> Model:
     """gemma4_mlx Model as the GPU backends load a Q4_0 GGUF: Q4_0 BlockLinear projections (q|k|v
     and gate|up fused), Q4_0 BlockExperts, Q8_0 BlockEmbedding for the token (tied head) and
-    per-layer embeddings, bf16 router and norms. Each tensor is generated and evaluated on the device as it is placed."""
+    per-layer embeddings, bf16 router and norms. Each tensor is generated and evaluated on the
+    device as it is placed."""
     model = Model(cfg)  # lazy random init: nothing is computed for the modules swapped below
     swaps = []
     for path, m in model.named_modules():
@@ -213,7 +214,6 @@ def build_ours(cfg: ModelConfig) -> Model:
             module.blocks = device_blocks(module.ggml_type, (module.out_dims,), module.in_dims)
         mx.eval(module.parameters())
         _set_module(model, path, module)
-    del swaps, module  # fuse_projections frees the separate blocks only if nothing else holds them
     _randomize_floats(model)
     fuse_projections(model)  # as load_gguf does for block weights
     return model

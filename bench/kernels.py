@@ -376,8 +376,6 @@ def rows_case(model, name, ggml_type, n, k, dtype, quick, on_gpu, geometries=ROW
 def gate_up_case(model, f, k, ms, dtype, quick, on_gpu):
     """A dense MLP's gate and up projections on rotating [2F, K] Q4_0 sets: two matvecs on the row
     halves + the GeGLU product in MLX ops (the unfused model) vs qm.gate_up (one launch)."""
-    from gemma4_mlx.model import gelu_tanh
-
     rb = qm.row_bytes(qm.Q4_0, k)
     sets = n_sets(2 * f * rb, quick)
     weights = [random_blocks(qm.Q4_0, (2 * f,), k) for _ in range(sets)]
@@ -388,7 +386,7 @@ def gate_up_case(model, f, k, ms, dtype, quick, on_gpu):
         mx.eval(x)
         nbytes = 2 * f * rb + m * k * _dtype_bytes(dtype) + m * f * _dtype_bytes(dtype)
         variants = {
-            "gate+up+gelu (3 ops)": lambda w: gelu_tanh(qm.quant_matvec(x, w[:f], qm.Q4_0, f))
+            "gate+up+gelu (3 ops)": lambda w: qm.gelu_tanh(qm.quant_matvec(x, w[:f], qm.Q4_0, f))
             * qm.quant_matvec(x, w[f:], qm.Q4_0, f),
             "gate_up fused (1 op)": lambda w: qm.gate_up(x, w, qm.Q4_0, f),
         }

@@ -34,7 +34,8 @@ cast), which is also the test oracle's twin (on CUDA, MLX's f32 matmul uses TF32
 reference is then only accurate to ~1e-3 relative; the kernels accumulate in true f32). On CUDA,
 Q4_0 with bf16 activations runs the "stream" kernels (cp.async staging + mma.sync, see below) for
 dense M >= 2 and every expert form, when a row is an even number of blocks (else the older
-tensor-core kernel for M >= 2). The CPU model path may prefer the lossless MLX-affine
+tensor-core kernel for M >= 2); with the opt-in family ``quant_matvec_rows``, dense M = 1 Q4_0 /
+Q8_0 goes to custom_kernels.quant_matvec_rows. The CPU model path may prefer the lossless MLX-affine
 mapping with ``mx.quantized_matmul`` (gemma4_mlx.quants) for memory; that choice belongs to the
 caller.
 
@@ -60,7 +61,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import backend, dtype_name, get_kernel, template_args, use_kernel, use_reference
+from . import KernelSource, backend, dtype_name, get_kernel, template_args, use_kernel, use_reference
 from .dialect import emit, prelude
 
 __all__ = [
@@ -670,7 +671,7 @@ def plan_launch(ggml_type: int, kind: str, dtype_name: str, m: int, n: int, k: i
     return LaunchPlan(template, grid, (threads, 1, 1), out_shape)
 
 
-def _run(kdef: _KernelDef, inputs: Sequence[mx.array], plan: LaunchPlan, dtype: mx.Dtype,
+def _run(kdef: _KernelDef | KernelSource, inputs: Sequence[mx.array], plan: LaunchPlan, dtype: mx.Dtype,
          init_value: float | None = None) -> mx.array:  # fmt: skip
     kernel = get_kernel(kdef.name, kdef.input_names, kdef.output_names, kdef.text["metal"], kdef.text["cuda"])
     template = template_args(plan.template)
@@ -894,9 +895,11 @@ def launch_dense_mma(x2: mx.array, blocks: mx.array, n: int, config: MmaConfig |
 # so k-step 0 pairs {w_4t, w_4t+2} (low nibbles of bytes 0, 2 of u) with x {4t, 4t+2} and
 # {w_4t+1, w_4t+3} with x {4t+1, 4t+3}; k-step 1 does the same with the high nibbles (w_16+..).
 # Staged rows are GB * 18 bytes apart (+16 when GB > 8), so the 8 rows of a tile fall in distinct
-# banks. GB (blocks per row piece) sets how long a contiguous run each row read is: 144-byte runs
-# from ~1300 rows at once read HBM at about half the copy rate (measured, bench/NOTES.md). Rows that are not 2-byte... every GGUF row is whole blocks; the copy width CH needs
-# row_bytes % CH == 0 (host) and a CH-aligned base pointer (checked here; else 2-byte copies).
+# banks. GB (blocks per row piece) sets how long a contiguous run each row read is: a read-only
+# probe in this order (144-byte runs, 16 rows per warp) reads HBM at 84% of the copy rate, against
+# 99.5% when each warp reads its rows front to back (bench/NOTES.md, 2026-11-30). Every GGUF row is
+# whole blocks; the copy width CH needs row_bytes % CH == 0 (host) and a CH-aligned base pointer
+# (checked here; else 2-byte copies). ROT (rotate) measured no gain and is kept off.
 
 _STREAM_HEADER_CUDA = r"""
 // cp.async: CH bytes global -> shared (16: bypass L1; 4 and 8 only exist with .ca)

@@ -28,10 +28,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import backend, dtype_name, use_kernel
+from . import KernelSource, backend, dtype_name, use_kernel
 from .dialect import prelude
-from .quant_matvec import (Q4_0, Q8_0, LaunchPlan, _activations, _KernelDef, _run, _tolerances, dequantize_f64,
-                           random_blocks, row_bytes)  # fmt: skip
+from .quant_matvec import Q4_0, Q8_0, LaunchPlan, _activations, _run, _tolerances, dequantize_f64, random_blocks
 
 __all__ = ["RowsConfig", "rows_supported", "default_rows_config", "plan_rows", "launch_dense_rows", "use_rows",
            "kernel_specs"]  # fmt: skip
@@ -146,8 +145,8 @@ _ROWS_BODY_CUDA = r"""
   }
 """
 
-_ROWS_DEF = _KernelDef("g4_quant_matvec_rows", "dense", Q4_0, ("x", "wq"), ("out",),
-                       ("T", "M", "QT", "R", "NW", "CB", "LPB"), {"metal": ("", ""), "cuda": (prelude("cuda"), _ROWS_BODY_CUDA)})  # fmt: skip
+_ROWS = KernelSource("g4_quant_matvec_rows", ("x", "wq"), ("out",),
+                     {"metal": ("", ""), "cuda": (prelude("cuda"), _ROWS_BODY_CUDA)})  # CUDA only
 
 
 @dataclass(frozen=True)
@@ -203,7 +202,7 @@ def launch_dense_rows(x2: mx.array, blocks: mx.array, ggml_type: int, n: int, co
     """Run the rows kernel on x2 [M <= 8, K] (CUDA only, no fallback) -> [M, N] in x2.dtype."""
     m, k = x2.shape
     plan = plan_rows(ggml_type, dtype_name(x2.dtype), m, n, k, config)
-    return _run(_ROWS_DEF, [x2, blocks], plan, x2.dtype, init_value)
+    return _run(_ROWS, [x2, blocks], plan, x2.dtype, init_value)
 
 
 def use_rows(ggml_type: int, m: int, k: int) -> bool:
@@ -246,5 +245,5 @@ def kernel_specs():
     """The rows kernel (CUDA only: no Metal text) with small cases."""
     from .registry import KernelSpec
 
-    return [KernelSpec(_ROWS_DEF.name, _ROWS_DEF.input_names, _ROWS_DEF.output_names, "", "",
-                       *_ROWS_DEF.text["cuda"], _rows_cases)]  # fmt: skip
+    return [KernelSpec(_ROWS.name, _ROWS.input_names, _ROWS.output_names, "", "", *_ROWS.text["cuda"],
+                       _rows_cases)]  # fmt: skip
