@@ -169,6 +169,16 @@ def rollback(cache: list, length: int) -> None:
             c.rollback(length)
 
 
+def write_slots(buffer: mx.array, update: mx.array, slots: mx.array) -> mx.array:
+    """`buffer` [B, H, S, D] with `update` [B, H, T, D] written at slots (int32 [T]) of axis 2.
+
+    A scatter, not a slice update with an array start: MLX 0.32's CUDA DynamicSliceUpdate sizes its
+    copy grid by the whole destination, so each write cost ~38 us on a 31B cache buffer at 4K
+    context, growing with the buffer (bench/gpu_timeline.py); the scatter's grid is the update's.
+    Inside a compiled step the buffer is donated, so neither copies it."""
+    return mx.put_along_axis(buffer, slots.reshape(1, 1, -1, 1), update, axis=2)
+
+
 class StaticKVCache:
     """Full-attention cache of fixed capacity whose length is an int32 array, for a compiled decode
     step: every update is a slice update at an array offset, so shapes never change."""
@@ -193,9 +203,8 @@ class StaticKVCache:
 
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         T = keys.shape[2]
-        start = self.offset.reshape(1)
-        self.keys = mx.slice_update(self.keys, keys, start, axes=[2])
-        self.values = mx.slice_update(self.values, values, start, axes=[2])
+        slots = self.offset + mx.arange(T, dtype=mx.int32)
+        self.keys, self.values = write_slots(self.keys, keys, slots), write_slots(self.values, values, slots)
         self.offset = self.offset + T
         slots = mx.arange(self.capacity, dtype=mx.int32)
         return self.keys, self.values, mx.where(slots < self.offset, slots, -1)
@@ -222,11 +231,10 @@ class StaticRotatingKVCache:
             raise ValueError("a static ring cache takes one token per step")
         capacity = self.keys.shape[2]
         slot = (self.offset % capacity).reshape(1)
-        self.keys = mx.slice_update(self.keys, keys, slot, axes=[2])
-        self.values = mx.slice_update(self.values, values, slot, axes=[2])
+        self.keys, self.values = write_slots(self.keys, keys, slot), write_slots(self.values, values, slot)
         # Slot s holds the latest position p <= offset with p % capacity == s (-1 before the ring
-        # fills): computed, not written, because a slice update costs ~25 us of host time per layer
-        # on CUDA against ~4 us for this fused elementwise op. Slots a rollback emptied are given
+        # fills): computed, not written, which saves a write per layer (one fused elementwise op
+        # instead). Slots a rollback emptied are given
         # their previous lap's position, which is more than the window behind every later query
         # (rollback is bounded by the slack), so the attention mask is unchanged.
         slots = mx.arange(capacity, dtype=mx.int32)

@@ -1,0 +1,144 @@
+"""Decode attention (custom_kernels.attention) at the real layer shapes, under launch geometries.
+
+For each model's sliding layer (a full ring: window + slack slots) and full layer (a cache of N
+valid positions in a capacity rounded up as the decode step does), one run reports per geometry:
+microseconds per call, GB/s of the K and V bytes the call must read, and that rate as a fraction
+of the copy bandwidth measured in the same run; plus mx.fast.scaled_dot_product_attention over the
+valid K/V (what mlx-lm runs). Caches rotate over >= 8 sets (>= 512 MiB) so the L2 cannot serve them.
+
+    python bench/attention.py [--models 31B,26B-A4B,12B,E4B] [--contexts 4096,32768] [--quick]
+"""
+
+from __future__ import annotations
+
+import gemma4_mlx  # noqa: F401,I001  first: the BLAS preload must come before mlx.core is imported
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode  # noqa: E402  (bench/decode.py)
+import kernels  # noqa: E402  (bench/kernels.py: timing harness, copy bandwidth)
+from custom_kernels import attention as at  # noqa: E402
+from custom_kernels import backend  # noqa: E402
+from hardware import hardware_info  # noqa: E402
+
+SLACK = 32  # ring slots beyond the window (cache.RotatingKVCache's default)
+# name -> AttentionConfig fields over the backend's default_config (None: the default itself)
+GEOMETRIES = {
+    "default": None,
+    "chunk128": dict(min_chunk=128, target_groups=1024),
+    "chunk64": dict(min_chunk=64, target_groups=1024),
+    "chunk64_t2048": dict(min_chunk=64, target_groups=2048),
+    "chunk32_t2048": dict(min_chunk=32, target_groups=2048),
+    "chunk64_t2048_sg8": dict(min_chunk=64, target_groups=2048, simd_groups=8),
+    "chunk128_t2048_tile64": dict(min_chunk=128, target_groups=2048, tile=64),
+}
+
+
+def layer_shapes(cfg) -> dict:
+    """{'sliding': spec, 'full': spec} of the first layer of each type (a consumer's producer's)."""
+    out = {}
+    for spec in cfg.layers:
+        out.setdefault("full" if spec.sliding_window is None else "sliding", spec)
+    return out
+
+
+def case(spec, n: int, sets: int | None, quick: bool) -> dict:
+    """Random caches for one layer at context n: rotating sets of (k, v), positions, q."""
+    sliding = spec.sliding_window is not None
+    slots = spec.sliding_window + SLACK if sliding else -(-(n + 64) // 256) * 256
+    valid = min(n, slots)
+    kv_bytes = 2 * spec.num_kv_heads * (min(n, spec.sliding_window) if sliding else n) * spec.head_dim * 2
+    sets = sets or kernels.n_sets(2 * spec.num_kv_heads * slots * spec.head_dim * 2, quick)
+    shape = (1, spec.num_kv_heads, slots, spec.head_dim)
+    kvs = [(mx.random.normal(shape).astype(mx.bfloat16), mx.random.normal(shape).astype(mx.bfloat16))
+           for _ in range(sets)]
+    pos = np.arange(slots)
+    if sliding:
+        pos = pos + slots * ((n - 1 - pos) // slots)
+    positions = mx.array(np.where(np.arange(slots) < valid, pos, -1).astype(np.int32))
+    q = (mx.random.normal((1, spec.num_heads, 1, spec.head_dim)) * spec.head_dim**-0.5).astype(mx.bfloat16)
+    mx.eval(kvs, positions, q)
+    return dict(kvs=kvs, positions=positions, q=q, q_pos=mx.array([n - 1], mx.int32), slots=slots, valid=valid,
+                window=spec.sliding_window, kv_bytes=kv_bytes)
+
+
+def time_geometries(c: dict, geometries: dict, quick: bool) -> list[dict]:
+    rows = []
+    D = c["q"].shape[-1]
+    for name, fields in geometries.items():
+        try:
+            cfg = None if fields is None else at.AttentionConfig(**{**at.default_config(D).__dict__, **fields})
+            plan = at.plan_decode(1, c["q"].shape[1], c["kvs"][0][0].shape[1], 1, c["slots"], D, "bfloat16",
+                                  "bfloat16", c["window"], cfg)  # fmt: skip
+            calls = [lambda k=k, v=v, cfg=cfg: at.launch_decode_attention(
+                c["q"], k, v, c["positions"], c["q_pos"], c["window"], None if c["window"] else c["valid"], cfg)
+                for k, v in c["kvs"]]  # fmt: skip
+            sec = kernels.time_rotating(calls, quick)
+            rows.append(dict(impl="g4_attn", geometry=name, parts=plan.parts, groups=plan.partial_grid[0] //
+                             plan.partial_threadgroup[0] * plan.parts * plan.partial_grid[2], us=sec * 1e6))
+        except ValueError as exc:
+            rows.append(dict(impl="g4_attn", geometry=name, error=str(exc)))
+    valid = c["valid"]
+    slots_k = [(k[:, :, :valid], v[:, :, :valid]) for k, v in c["kvs"]]
+    sdpa = mx.fast.scaled_dot_product_attention  # GQA by broadcasting the kv heads
+    sec = kernels.time_rotating([lambda k=k, v=v: sdpa(c["q"], k, v, scale=1.0) for k, v in slots_k], quick)
+    rows.append(dict(impl="mx.fast.scaled_dot_product_attention", geometry="-", us=sec * 1e6))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="31B,26B-A4B,12B,E4B")
+    ap.add_argument("--contexts", default="4096,32768")
+    ap.add_argument("--geometries", default=",".join(GEOMETRIES))
+    ap.add_argument("--quick", action="store_true", help="tiny models and contexts (runs on CPU)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    quick = args.quick
+    models = ["tiny-dense"] if quick else args.models.split(",")
+    contexts = [100] if quick else [int(x) for x in args.contexts.split(",")]
+    geometries = {g: GEOMETRIES[g] for g in args.geometries.split(",")}
+    if backend() == "cpu" and not quick:
+        raise SystemExit("the attention kernels run on Metal/CUDA; use --quick on the CPU (reference path)")
+    copy = kernels.copy_bandwidth(quick)
+    print(f"backend {backend()}  copy bandwidth {copy['GBps']:.0f} GB/s", flush=True)
+    doc = dict(bench="attention", date=datetime.datetime.now().isoformat(timespec="seconds"),
+               commit=decode._commit(), hardware=hardware_info(), versions=dict(mlx=mx.__version__),
+               copy_bandwidth=copy, results=[])  # fmt: skip
+    for m in models:
+        cfg = decode.QUICK_MODELS[m]() if m in decode.QUICK_MODELS else decode.preset(m)
+        for kind, spec in layer_shapes(cfg).items():
+            for n in contexts if kind == "full" else contexts[:1]:
+                c = case(spec, n, 2 if quick else None, quick)
+                rows = time_geometries(c, geometries, quick) if backend() != "cpu" else []
+                for r in rows:
+                    r.update(model=m, layer=kind, context=n, n_q=spec.num_heads, n_kv=spec.num_kv_heads,
+                             head_dim=spec.head_dim, slots=c["slots"], kv_bytes=c["kv_bytes"])
+                    if "us" in r:
+                        r["GBps"] = c["kv_bytes"] / r["us"] / 1e3
+                        r["copy_frac"] = r["GBps"] / copy["GBps"]
+                        print(f"{m:8s} {kind:7s} n={n:6d} {r['impl'][:24]:24s} {r['geometry']:22s} "
+                              f"{r['us']:8.1f} us {r['GBps']:7.0f} GB/s {100 * r['copy_frac']:5.1f}%"
+                              + (f"  parts {r['parts']} groups {r['groups']}" if "parts" in r else ""), flush=True)
+                    else:
+                        print(f"{m:8s} {kind:7s} n={n:6d} {r['geometry']}: {r['error']}", flush=True)
+                doc["results"].extend(rows)
+                del c
+    path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                    f"attention-{backend()}-{doc['date'][:16].replace(':', '')}.json")
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

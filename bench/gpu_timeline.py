@@ -1,0 +1,179 @@
+"""GPU timeline of steady decode steps, read from a CUDA profiler trace (torch.profiler over CUPTI).
+
+Answers what bench/decode.py's totals cannot: per token, how long the GPU is busy and idle, which
+kernels take the busy time (ours by family, MLX's own, cuBLAS), how many launches there are, and
+how the idle time splits into launch gaps (< 5 us between kernels) and longer waits for the host.
+torch is only the profiler here: CUPTI records every kernel of the process, MLX's included (MLX's
+CUDA wheel and torch use the same nvidia-* runtime packages). The model is bench/decode.py's
+(random weights in real shapes), optionally cut to its first N layers (bench/step_settings.py).
+
+    python bench/gpu_timeline.py [--model 31B] [--layers 12] [--context 4096] [--steps 8] [--mlx-lm]
+"""
+
+from __future__ import annotations
+
+import gemma4_mlx  # noqa: F401,I001  first: the BLAS preload must come before mlx.core is imported
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+import mlx.core as mx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode  # noqa: E402  (bench/decode.py)
+from hardware import hardware_info  # noqa: E402
+from step_settings import model_config  # noqa: E402
+
+# first match wins; names are CUPTI's kernel names (ours start with g4_, see custom_kernels)
+CATEGORIES = (
+    ("attention (ours)", r"g4_attn"),
+    ("sampling (ours)", r"g4_sample"),
+    ("matvec (ours)", r"g4_"),
+    ("gemm/gemv (cuBLAS)", r"gemm|gemv|cublas|xmma|cutlass|sm90_|splitk"),
+    ("sdpa (MLX)", r"sdpa|attention"),
+    ("norm (MLX)", r"rms_?norm|layer_?norm"),
+    ("rope (MLX)", r"rope"),
+    ("quantized matmul (MLX)", r"qmm|qmv|quantized|affine"),
+    ("copy / slice update (MLX)", r"copy|slice|scatter|gather|memcpy|memset|concat"),
+    ("reduce / sort (MLX)", r"reduce|arg_?|sort|scan|logsumexp|softmax"),
+)
+LAUNCH_GAP_US = 5.0
+KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, pattern in CATEGORIES:
+        if re.search(pattern, low):
+            return cat
+    return "other (MLX fused / elementwise)"
+
+
+def kernels_of_trace(trace: dict) -> list[tuple[str, float, float]]:
+    """(name, start_us, duration_us) of every device activity in a Chrome trace, by start time."""
+    out = [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in trace.get("traceEvents", [])
+           if e.get("ph") == "X" and e.get("cat") in KERNEL_CATS]
+    return sorted(out, key=lambda k: k[1])
+
+
+def summarize(kernels: list[tuple[str, float, float]], steps: int, top: int = 25) -> dict:
+    """Per-step GPU time of a profiled window of `steps` decode steps.
+
+    window: first kernel start to last kernel end; busy: union of kernel intervals (overlapping
+    kernels count once); idle = window - busy, split into launch gaps (< LAUNCH_GAP_US) and waits."""
+    if not kernels or steps < 1:
+        raise ValueError("no kernels in the trace (was the profiler attached to the GPU work?)")
+    start, end = kernels[0][1], max(ts + d for _, ts, d in kernels)
+    busy, cur_s, cur_e = 0.0, kernels[0][1], kernels[0][1] + kernels[0][2]
+    small_gap = big_gap = 0.0
+    n_small = n_big = 0
+    for _, ts, d in kernels[1:]:
+        if ts > cur_e:
+            busy += cur_e - cur_s
+            gap = ts - cur_e
+            if gap < LAUNCH_GAP_US:
+                small_gap, n_small = small_gap + gap, n_small + 1
+            else:
+                big_gap, n_big = big_gap + gap, n_big + 1
+            cur_s, cur_e = ts, ts + d
+        else:
+            cur_e = max(cur_e, ts + d)
+    busy += cur_e - cur_s
+    by_cat, by_name = collections.defaultdict(lambda: [0.0, 0]), collections.defaultdict(lambda: [0.0, 0])
+    for name, _, d in kernels:
+        for table, key in ((by_cat, category(name)), (by_name, name)):
+            table[key][0] += d
+            table[key][1] += 1
+
+    def per_step(table: dict, limit: int | None = None) -> list[dict]:
+        rows = sorted(table.items(), key=lambda kv: -kv[1][0])[:limit]
+        return [dict(name=k[:160], us=v[0] / steps, launches=v[1] / steps) for k, v in rows]
+
+    window = end - start
+    return dict(steps=steps, window_us=window / steps, busy_us=busy / steps, idle_us=(window - busy) / steps,
+                launch_gap_us=small_gap / steps, launch_gaps=n_small / steps, wait_us=big_gap / steps,
+                waits=n_big / steps, launches=len(kernels) / steps, kernel_us=sum(d for *_, d in kernels) / steps,
+                categories=per_step(by_cat), top_kernels=per_step(by_name, top))
+
+
+def profile_steps(step, first, steps: int, trace_path: str) -> dict:
+    """Profile `steps` pipelined decode steps (after the caller's warm-up) and summarize the trace."""
+    import torch  # noqa: PLC0415  (the profiler only; present on the GPU machine's image)
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    mx.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timing = decode.time_tokens(step, first, 0, steps)
+        mx.synchronize()
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as fh:
+        trace = json.load(fh)
+    out = summarize(kernels_of_trace(trace), steps + 1)  # time_tokens evaluates steps + 1 outputs
+    out["timing_under_profiler"] = timing
+    out["torch"] = torch.__version__
+    return out
+
+
+def print_summary(label: str, s: dict) -> None:
+    print(f"== {label}: per token {s['window_us'] / 1e3:.2f} ms on the GPU timeline, busy {s['busy_us'] / 1e3:.2f} ms "
+          f"({100 * s['busy_us'] / s['window_us']:.0f}%), launch gaps {s['launch_gap_us'] / 1e3:.2f} ms "
+          f"({s['launch_gaps']:.0f}), waits {s['wait_us'] / 1e3:.2f} ms ({s['waits']:.0f}), "
+          f"{s['launches']:.0f} launches", flush=True)
+    for row in s["categories"]:
+        print(f"   {row['us']:9.1f} us  {row['launches']:6.1f} x  {row['name']}")
+    print("   top kernels:")
+    for row in s["top_kernels"][:15]:
+        print(f"   {row['us']:9.1f} us  {row['launches']:6.1f} x  {row['name'][:110]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="31B")
+    ap.add_argument("--layers", type=int, default=None, help="only the model's first N layers (last must be full)")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=8, help="profiled tokens")
+    ap.add_argument("--warmup", type=int, default=6)
+    ap.add_argument("--mlx-lm", action="store_true", help="profile mlx-lm's model on the same shapes too")
+    ap.add_argument("--trace-dir", default=None, help="keep the Chrome traces here")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cfg = model_config(args.model, args.layers)
+    doc = dict(bench="gpu_timeline", date=datetime.datetime.now().isoformat(timespec="seconds"),
+               model=args.model, layers=args.layers or cfg.num_hidden_layers, context=args.context,
+               steps=args.steps, commit=decode._commit(), hardware=hardware_info(),
+               versions=dict(mlx=mx.__version__), engines={})
+    engines = [decode.OursEngine(cfg)] + ([decode.MlxLmEngine(cfg, 64)] if args.mlx_lm else [])
+    trace_dir = args.trace_dir or tempfile.mkdtemp()
+    first = mx.array([5], mx.int32)
+    for e in engines:
+        t0 = time.time()
+        e.start(args.context, 2 * (args.warmup + args.steps) + 8)
+        step = e.full_step()
+        res = dict(plain=decode.time_tokens(step, first, args.warmup, args.steps), start_s=time.time() - t0)
+        doc["engines"][e.name] = res
+        print(f"{e.name}: {res['plain']['tok_s']:.1f} tok/s, {res['plain']['ms_per_token']:.2f} ms/token, host "
+              f"{res['plain'].get('host_ms', 0):.2f} ms (unprofiled)", flush=True)
+        try:
+            res.update(profile_steps(step, first, args.steps, os.path.join(trace_dir, f"trace-{e.name}.json")))
+            print_summary(e.name, res)
+        except (ImportError, ValueError, RuntimeError, AssertionError) as exc:
+            res["profile_error"] = f"{type(exc).__name__}: {exc}"[:400]
+            print(f"{e.name}: no profile: {res['profile_error']}", flush=True)
+        e.stop()
+    path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                    f"gpu_timeline-{args.model}-{doc['date'][:16].replace(':', '')}.json")
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""bench/gpu_timeline.py's trace reading, on a made-up Chrome trace with known busy and idle time."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+
+def _event(name, ts, dur, cat="kernel"):
+    return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur)
+
+
+def test_summary_splits_busy_gaps_and_waits():
+    import gpu_timeline as gt
+
+    trace = {"traceEvents": [
+        _event("g4_attn_decode_partial_ab12", 100.0, 10.0),
+        _event("g4_q4_0_matvec_stream_cd34", 0.0, 50.0),
+        _event("rms_norm_kernel", 52.0, 8.0),      # gap 2 us: a launch gap
+        _event("overlaps_previous", 55.0, 10.0),    # overlaps rms_norm: busy counts it once
+        _event("cudaLaunchKernel", 0.0, 500.0, cat="cuda_runtime"),  # host-side: ignored
+        _event("Memcpy DtoD", 200.0, 20.0, cat="gpu_memcpy"),         # waits: 35 us and 90 us
+    ]}
+    kernels = gt.kernels_of_trace(trace)
+    assert [k[0] for k in kernels][0] == "g4_q4_0_matvec_stream_cd34"
+    s = gt.summarize(kernels, steps=2)
+    assert s["window_us"] == pytest.approx(220.0 / 2)
+    assert s["busy_us"] == pytest.approx((50 + 13 + 10 + 20) / 2)
+    assert s["launch_gap_us"] == pytest.approx(2.0 / 2) and s["launch_gaps"] == pytest.approx(0.5)
+    assert s["wait_us"] == pytest.approx((35 + 90) / 2) and s["waits"] == pytest.approx(1.0)
+    assert s["busy_us"] + s["idle_us"] == pytest.approx(s["window_us"])
+    cats = {row["name"]: row["us"] for row in s["categories"]}
+    assert cats["matvec (ours)"] == pytest.approx(25.0)
+    assert cats["attention (ours)"] == pytest.approx(5.0)
+    assert cats["norm (MLX)"] == pytest.approx(4.0)
+    assert cats["copy / slice update (MLX)"] == pytest.approx(10.0)
+    assert s["launches"] == pytest.approx(2.5)
+
+
+def test_empty_trace_is_an_error():
+    import gpu_timeline as gt
+
+    with pytest.raises(ValueError, match="no kernels"):
+        gt.summarize(gt.kernels_of_trace({"traceEvents": []}), steps=1)
