@@ -4,7 +4,9 @@ For each model's sliding layer (a full ring: window + slack slots) and full laye
 valid positions in a capacity rounded up as the decode step does), one run reports per geometry:
 microseconds per call, GB/s of the K and V bytes the call must read, and that rate as a fraction
 of the copy bandwidth measured in the same run; plus mx.fast.scaled_dot_product_attention over the
-valid K/V (what mlx-lm runs). Caches rotate over >= 8 sets (>= 512 MiB) so the L2 cannot serve them.
+valid K/V (what mlx-lm runs). Times are GPU kernel time per call from a CUPTI trace (torch.profiler;
+bench/gpu_timeline.py): wall-clock time of back-to-back calls is MLX's host cost per op at these
+sizes (~25 us whatever the geometry), so it is printed but not used. Caches rotate over >= 8 sets (>= 512 MiB) so the L2 cannot serve them.
 
     python bench/attention.py [--models 31B,26B-A4B,12B,E4B] [--contexts 4096,32768] [--quick]
 """
@@ -24,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode  # noqa: E402  (bench/decode.py)
+import gpu_timeline  # noqa: E402  (bench/gpu_timeline.py: CUPTI kernel times)
 import kernels  # noqa: E402  (bench/kernels.py: timing harness, copy bandwidth)
 from custom_kernels import attention as at  # noqa: E402
 from custom_kernels import backend  # noqa: E402
@@ -83,14 +86,17 @@ def time_geometries(c: dict, geometries: dict, quick: bool) -> list[dict]:
                 for k, v in c["kvs"]]  # fmt: skip
             sec = kernels.time_rotating(calls, quick)
             rows.append(dict(impl="g4_attn", geometry=name, parts=plan.parts, groups=plan.partial_grid[0] //
-                             plan.partial_threadgroup[0] * plan.parts * plan.partial_grid[2], us=sec * 1e6))
+                             plan.partial_threadgroup[0] * plan.parts * plan.partial_grid[2], wall_us=sec * 1e6,
+                             **gpu_timeline.kernel_time_per_call(calls)))
         except ValueError as exc:
             rows.append(dict(impl="g4_attn", geometry=name, error=str(exc)))
     valid = c["valid"]
     slots_k = [(k[:, :, :valid], v[:, :, :valid]) for k, v in c["kvs"]]
     sdpa = mx.fast.scaled_dot_product_attention  # GQA by broadcasting the kv heads
-    sec = kernels.time_rotating([lambda k=k, v=v: sdpa(c["q"], k, v, scale=1.0) for k, v in slots_k], quick)
-    rows.append(dict(impl="mx.fast.scaled_dot_product_attention", geometry="-", us=sec * 1e6))
+    calls = [lambda k=k, v=v: sdpa(c["q"], k, v, scale=1.0) for k, v in slots_k]
+    sec = kernels.time_rotating(calls, quick)
+    rows.append(dict(impl="mx.fast.scaled_dot_product_attention", geometry="-", wall_us=sec * 1e6,
+                     **gpu_timeline.kernel_time_per_call(calls)))
     return rows
 
 
@@ -122,11 +128,12 @@ def main(argv: list[str] | None = None) -> int:
                 for r in rows:
                     r.update(model=m, layer=kind, context=n, n_q=spec.num_heads, n_kv=spec.num_kv_heads,
                              head_dim=spec.head_dim, slots=c["slots"], kv_bytes=c["kv_bytes"])
-                    if "us" in r:
-                        r["GBps"] = c["kv_bytes"] / r["us"] / 1e3
+                    if "gpu_us" in r:
+                        r["GBps"] = c["kv_bytes"] / r["gpu_us"] / 1e3
                         r["copy_frac"] = r["GBps"] / copy["GBps"]
                         print(f"{m:8s} {kind:7s} n={n:6d} {r['impl'][:24]:24s} {r['geometry']:22s} "
-                              f"{r['us']:8.1f} us {r['GBps']:7.0f} GB/s {100 * r['copy_frac']:5.1f}%"
+                              f"GPU {r['gpu_us']:7.1f} us ({r['launches']:.0f} launches, wall {r['wall_us']:6.1f}) "
+                              f"{r['GBps']:6.0f} GB/s {100 * r['copy_frac']:5.1f}%"
                               + (f"  parts {r['parts']} groups {r['groups']}" if "parts" in r else ""), flush=True)
                     else:
                         print(f"{m:8s} {kind:7s} n={n:6d} {r['geometry']}: {r['error']}", flush=True)

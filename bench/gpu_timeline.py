@@ -103,6 +103,46 @@ def summarize(kernels: list[tuple[str, float, float]], steps: int, top: int = 25
                 categories=per_step(by_cat), top_kernels=per_step(by_name, top))
 
 
+def one_step(kernels: list[tuple[str, float, float]], marker: str = r"g4_sample_merge|ArgMax") -> list[tuple[str, float]]:
+    """(short name, duration us) of the kernels of the last whole step: after the second-to-last
+    launch whose name matches `marker` (the sampler's last kernel, once per step) up to the last."""
+    ends = [i for i, k in enumerate(kernels) if re.search(marker, k[0])]
+    if len(ends) < 2:
+        return []
+    return [(short_name(n), round(d, 2)) for n, _, d in kernels[ends[-2] + 1:ends[-1] + 1]]
+
+
+def short_name(name: str) -> str:
+    """A kernel name without its argument list and namespace (ours: without the text digest)."""
+    name = re.sub(r"^void ", "", name.split("(")[0]).replace("mlx::core::cu::", "")
+    return re.sub(r"custom_kernel_(g4_[a-z0-9_]+?)_[0-9a-f]{16}", r"\1", name)[:90]
+
+
+def kernel_time_per_call(calls: list, reps: int = 4) -> dict:
+    """GPU time per call of zero-argument callables (each launching one op's kernels), from a CUPTI
+    trace: the sum of kernel durations / calls, and launches per call. Each call is evaluated on
+    its own: independent ops evaluated together become parallel branches of one CUDA graph, and
+    overlapping kernels stretch each other's durations (and flatter a wall-clock rate), whereas a
+    decode step runs its kernels one after another. MLX's host cost per op cannot hide in it."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    mx.eval([c() for c in calls])
+    mx.synchronize()
+    n = 0
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            for c in calls:
+                mx.eval(c())
+                n += 1
+        mx.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            kernels = kernels_of_trace(json.load(fh))
+    return dict(gpu_us=sum(d for *_, d in kernels) / n, launches=len(kernels) / n)
+
+
 def profile_steps(step, first, steps: int, trace_path: str) -> dict:
     """Profile `steps` pipelined decode steps (after the caller's warm-up) and summarize the trace."""
     import torch  # noqa: PLC0415  (the profiler only; present on the GPU machine's image)
@@ -115,7 +155,9 @@ def profile_steps(step, first, steps: int, trace_path: str) -> dict:
     prof.export_chrome_trace(trace_path)
     with open(trace_path) as fh:
         trace = json.load(fh)
-    out = summarize(kernels_of_trace(trace), steps + 1)  # time_tokens evaluates steps + 1 outputs
+    kernels = kernels_of_trace(trace)
+    out = summarize(kernels, steps + 1)  # time_tokens evaluates steps + 1 outputs
+    out["one_step"] = one_step(kernels)
     out["timing_under_profiler"] = timing
     out["torch"] = torch.__version__
     return out

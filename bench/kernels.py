@@ -342,37 +342,6 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
     return rows
 
 
-ROWS_SWEEP = [(4, 4, 64, 2), (8, 2, 128, 4), (4, 4, 128, 2), (8, 4, 64, 2), (16, 4, 64, 2), (2, 8, 32, 2),
-              (4, 8, 128, 4), (8, 4, 128, 1)]  # (rows per warp, warps, blocks per chunk, lanes per block)
-
-
-def rows_case(model, name, ggml_type, n, k, dtype, quick, on_gpu, geometries=ROWS_SWEEP) -> list[dict]:
-    """CUDA rows kernel (custom_kernels.quant_matvec_rows) at M = 1 on rotating [N, K] sets, per geometry."""
-    from custom_kernels import quant_matvec_rows as qr
-
-    if not (on_gpu and custom_kernels.backend() == "cuda" and qr.rows_supported(ggml_type, k)):
-        return []
-    rb = qm.row_bytes(ggml_type, k)
-    sets = n_sets(n * rb, quick)
-    weights = [random_blocks(ggml_type, (n,), k) for _ in range(sets)]
-    x = mx.random.normal((1, k)).astype(dtype)
-    mx.eval(weights, x)
-    nbytes = n * rb + k * _dtype_bytes(dtype) + n * _dtype_bytes(dtype)
-    rows = []
-    for geometry in geometries:
-        cfg = qr.RowsConfig(*geometry)
-        try:
-            calls = [lambda w=w: qr.launch_dense_rows(x, w, ggml_type, n, config=cfg) for w in weights]
-            sec = time_rotating(calls, quick)
-        except Exception as exc:  # noqa: BLE001  (a geometry the device rejects)
-            rows.append(dict(model=model, name=name, M=1, config=list(geometry), error=str(exc)[:200]))
-            continue
-        rows.append(dict(model=model, name=name, impl=f"{qm._fmt(ggml_type).name}_matvec_rows", N=n, K=k, M=1,
-                         sets=sets, time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
-                         config=list(geometry), **host_split(calls[:8], quick)))  # fmt: skip
-    return rows
-
-
 def gate_up_case(model, f, k, ms, dtype, quick, on_gpu):
     """A dense MLP's gate and up projections on rotating [2F, K] Q4_0 sets: two matvecs on the row
     halves + the GeGLU product in MLX ops (the unfused model) vs qm.gate_up (one launch)."""
@@ -517,9 +486,6 @@ def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
         name, n, k = QUICK["tiny"]["proj"][0] if args.quick else ("ffn_gate/up", 21504, 5376)
         add(dense_case(model, name, qm.Q4_0, n, k, (1,), dtype, args.quick, on_gpu, with_qmm=False, mma=False,
                        read=True), rows)  # fmt: skip
-        add(rows_case(model, name, qm.Q4_0, n, k, dtype, args.quick, on_gpu), rows)
-        if not args.quick:
-            add(rows_case("31B", "head (tied)", qm.Q8_0, VOCAB, 5376, dtype, args.quick, on_gpu, ROWS_SWEEP[:3]), rows)
         add(gate_up_case(model, n, k, (1, 8), dtype, args.quick, on_gpu), rows)
         return
     shapes = QUICK["tiny"]["proj"] if args.quick else [("ffn_gate/up", 21504, 5376), ("ffn_down", 5376, 21504),

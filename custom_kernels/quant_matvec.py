@@ -34,8 +34,7 @@ cast), which is also the test oracle's twin (on CUDA, MLX's f32 matmul uses TF32
 reference is then only accurate to ~1e-3 relative; the kernels accumulate in true f32). On CUDA,
 Q4_0 with bf16 activations runs the "stream" kernels (cp.async staging + mma.sync, see below) for
 dense M >= 2 and every expert form, when a row is an even number of blocks (else the older
-tensor-core kernel for M >= 2); with the opt-in family ``quant_matvec_rows``, dense M = 1 Q4_0 /
-Q8_0 goes to custom_kernels.quant_matvec_rows. The CPU model path may prefer the lossless MLX-affine
+tensor-core kernel for M >= 2). The CPU model path may prefer the lossless MLX-affine
 mapping with ``mx.quantized_matmul`` (gemma4_mlx.quants) for memory; that choice belongs to the
 caller.
 
@@ -1334,11 +1333,7 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     if use_reference() or not 1 <= m <= MAX_ROWS:
         return matvec_reference(x, blocks, ggml_type, n)
     x2 = x.reshape(m, x.shape[-1])
-    from .quant_matvec_rows import launch_dense_rows, use_rows  # here: that module imports this one
-
-    if use_rows(ggml_type, m, x.shape[-1]):
-        out = launch_dense_rows(x2, blocks, ggml_type, n)
-    elif ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1], m):
+    if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1], m):
         out = launch_dense_stream(x2, blocks, n)
     elif ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
         out = launch_dense_mma(x2, blocks, n)

@@ -46,3 +46,19 @@ def test_empty_trace_is_an_error():
 
     with pytest.raises(ValueError, match="no kernels"):
         gt.summarize(gt.kernels_of_trace({"traceEvents": []}), steps=1)
+
+
+def test_one_step_is_the_last_whole_step_with_short_names():
+    import gpu_timeline as gt
+
+    names = ["void mlx::core::cu::arg_reduce_general<float, mlx::core::cu::ArgMax<float>, 1024, 4>(float const*)",
+             "mlx::core::cu::custom_kernel_g4_q4_0_matvec_bc3a74415ad82e11_bfloat16_t_1_2_2_2(__nv_bfloat16 const*)",
+             "void mlx::core::cu::rms_norm_small<__nv_bfloat16, 128, 6, false, 8>(__nv_bfloat16 const*)"]
+    kernels = [(names[1], 0, 9), (names[0], 10, 1), (names[2], 12, 2), (names[1], 15, 30), (names[0], 50, 1),
+               (names[1], 52, 30)]
+    step = gt.one_step(kernels)
+    assert [n for n, _ in step] == ["rms_norm_small<__nv_bfloat16, 128, 6, false, 8>",
+                                    "g4_q4_0_matvec_bfloat16_t_1_2_2_2",
+                                    "arg_reduce_general<float, ArgMax<float>, 1024, 4>"]
+    assert [d for _, d in step] == [2, 30, 1]
+    assert gt.one_step(kernels[:3]) == []

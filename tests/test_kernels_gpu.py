@@ -146,40 +146,6 @@ def test_dense_gate_up_op(fmt, dtype):
             _check(out, want, bound, dtype, f"{fmt} dense gate_up M={m} F={f} K={k}")
 
 
-@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA rows kernel")
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_quant_matvec_rows_kernel(fmt, dtype, monkeypatch):
-    """The rows kernel (custom_kernels.quant_matvec_rows): M = 1..8, odd N, partial last chunks,
-    several geometries, poisoned outputs; a weight view 2 bytes into a buffer (2-byte loads); and
-    dispatch at M = 1 once the family is opted in."""
-    from custom_kernels import quant_matvec_rows as qr
-
-    ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0}[fmt]
-    rng = np.random.default_rng(41)
-    for n, k in ((1001, 5376), (70, 1280)):
-        raw = qm.random_blocks(rng, ggml_type, (n,), k)
-        w64 = qm.dequantize_f64(raw, ggml_type)
-        blocks = mx.array(raw)
-        for m in (1, 2, 5, 8) if k == 5376 else (1, 3):
-            x, x64 = _acts(rng, (m, k), dtype)
-            want, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
-            cfgs = (None, qr.RowsConfig(8, 2, 128, 4), qr.RowsConfig(2, 8, 32, 1), qr.RowsConfig(16, 4, 64, 2),
-                    qr.RowsConfig(4, 1, 8, 2)) if m == 1 else (None,)  # fmt: skip
-            for cfg in cfgs:
-                out = qr.launch_dense_rows(x, blocks, ggml_type, n, config=cfg, init_value=NAN)
-                assert out.shape == (m, n) and out.dtype == dtype
-                _check(out, want, bound, dtype, f"{fmt} rows M={m} N={n} K={k} {cfg}")
-    flat = mx.array(np.concatenate([np.zeros(2, np.uint8), raw.reshape(-1)]))
-    view = flat[2:].reshape(n, -1)  # base only 2-byte aligned
-    x, x64 = _acts(rng, (1, k), dtype)
-    out = qr.launch_dense_rows(x, view, ggml_type, n, init_value=NAN)
-    _check(out, x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, dtype, f"{fmt} rows, unaligned view")
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, qr.FAMILY)
-    assert qr.use_rows(ggml_type, 1, k) and not qr.use_rows(ggml_type, 2, k)
-    _check(qm.quant_matvec(x, blocks, ggml_type, n), x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, dtype, "dispatch")
-
-
 def test_gather_invalid_expert_gives_nan():
     rng = np.random.default_rng(13)
     blocks = mx.array(qm.random_blocks(rng, qm.Q4_0, (4, 40), 64))

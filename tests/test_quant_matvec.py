@@ -324,28 +324,3 @@ def test_registry_lists_every_kernel_with_consistent_cases():
             got = np.array(ref.astype(mx.float32)).reshape(case.output_shapes[0])
             ok = np.abs(got - case.expected[0]) <= case.atol + case.rtol * np.abs(case.expected[0])
             assert ok.all(), f"{spec.name} {case.label}"
-
-
-def test_rows_kernel_plans_and_dispatch(monkeypatch):
-    """The CUDA rows kernel's launch checks, and that dispatch takes it only on CUDA at M = 1 with
-    its family opted in (on this CPU build: never)."""
-    from custom_kernels import quant_matvec_rows as qr
-    from custom_kernels.registry import all_kernel_specs
-
-    plan = qr.plan_rows(qm.Q4_0, "bfloat16", 1, 1001, 5376, qr.RowsConfig(4, 4, 64, 2))
-    assert plan.grid == (63 * 128, 1, 1) and plan.threadgroup == (128, 1, 1) and plan.output_shape == (1, 1001)
-    assert dict(plan.template)["QT"] == qm.Q4_0 and qr.default_rows_config(qm.Q4_0, 8, 10, 256).lanes_per_block == 4
-    with pytest.raises(ValueError, match="K % 256"):
-        qr.plan_rows(qm.Q4_0, "float32", 1, 10, 96)
-    with pytest.raises(ValueError, match="K % 256"):
-        qr.plan_rows(qm.Q6_K, "float32", 1, 10, 256)
-    with pytest.raises(ValueError, match="M must be"):
-        qr.plan_rows(qm.Q8_0, "float32", 9, 10, 256)
-    with pytest.raises(ValueError, match="shared memory"):
-        qr.plan_rows(qm.Q8_0, "float32", 1, 10, 256, qr.RowsConfig(4, 8, 256, 2))
-    with pytest.raises(ValueError, match="multiple of 8"):
-        qr.RowsConfig(4, 4, 12, 2)
-    assert any(spec.name == "g4_quant_matvec_rows" for spec in all_kernel_specs())
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, qr.FAMILY)
-    assert qr.use_rows(qm.Q4_0, 1, 5376) == (custom_kernels.backend() == "cuda")
-    assert not qr.use_rows(qm.Q4_0, 1, 96) and not qr.use_rows(qm.Q4_0, 2, 5376)
