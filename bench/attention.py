@@ -30,7 +30,7 @@ import gpu_timeline  # noqa: E402  (bench/gpu_timeline.py: CUPTI kernel times)
 import kernels  # noqa: E402  (bench/kernels.py: timing harness, copy bandwidth)
 from custom_kernels import attention as at  # noqa: E402
 from custom_kernels import backend  # noqa: E402
-from hardware import hardware_info  # noqa: E402
+from hardware import commit, hardware_info, sources_digest  # noqa: E402
 
 SLACK = 32  # ring slots beyond the window (cache.RotatingKVCache's default)
 # name -> AttentionConfig fields over the backend's default_config (None: the default itself)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     copy = kernels.copy_bandwidth(quick)
     print(f"backend {backend()}  copy bandwidth {copy['GBps']:.0f} GB/s", flush=True)
     doc = dict(bench="attention", date=datetime.datetime.now().isoformat(timespec="seconds"),
-               commit=decode._commit(), hardware=hardware_info(), versions=dict(mlx=mx.__version__),
+               commit=commit(), sources=sources_digest(), hardware=hardware_info(), versions=dict(mlx=mx.__version__),
                copy_bandwidth=copy, results=[])  # fmt: skip
     for m in models:
         cfg = decode.QUICK_MODELS[m]() if m in decode.QUICK_MODELS else decode.preset(m)

@@ -66,7 +66,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable
@@ -74,7 +73,7 @@ from typing import Callable
 import mlx.core as mx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hardware import hardware_info  # noqa: E402  (bench/hardware.py)
+from hardware import commit, hardware_info, sources_digest  # noqa: E402  (bench/hardware.py)
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
@@ -644,15 +643,6 @@ def stages(full_ms: float, variants: dict) -> dict:
 # the run
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10)  # fmt: skip
-        return out.stdout.strip() if out.returncode == 0 else ""
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def hardware() -> dict:
     families = ("quant_matvec", "attention", "sampling")
     return {**hardware_info(), "kernels": not custom_kernels.use_reference(),
@@ -739,7 +729,7 @@ def run_matrix(args) -> str:
         bench="bench/decode.py", date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args),
         quick=quick, hardware=hardware(),
         versions=dict(mlx=mx.__version__, mlx_lm=_version("mlx-lm") if with_lm else None, numpy=np.__version__,
-                      python=platform.python_version(), commit=_commit(), gemma4_mlx=gemma4_mlx.__version__),
+                      python=platform.python_version(), commit=commit(), sources=sources_digest(), gemma4_mlx=gemma4_mlx.__version__),
         copy_bandwidth=copy,
         method=dict(
             timing=("sync: mx.eval of every token before the next step is built" if args.sync else
@@ -969,7 +959,7 @@ def readme_table(doc: dict) -> str:
         r, name, e = worst
         share = e["step_peak_growth_bytes"] / e["cache_buffer_bytes"]
         lines += ["", f"Cache-copy check (peak memory growth over 8 decode steps / one K or V buffer): worst "
-                      f"{share:.2f} ({name}, {r['model']} at {r['context']}){' — a step copies cache buffers' if share > 0.5 else ''}."]  # fmt: skip
+                      f"{share:.2f} ({name}, {r['model']} at {r['context']}){' — a step may copy a cache buffer (or just has other temporaries that large: bench/gpu_timeline.py lists its copy kernels)' if share > 0.5 else ''}."]  # fmt: skip
     if doc.get("targets"):
         lines += ["", "| target | goal | measured | met |", "|---|---:|---:|---|"]
         for t in doc["targets"]:

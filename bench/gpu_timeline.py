@@ -28,7 +28,7 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode  # noqa: E402  (bench/decode.py)
-from hardware import hardware_info  # noqa: E402
+from hardware import commit, hardware_info, sources_digest  # noqa: E402
 from step_settings import model_config  # noqa: E402
 
 # first match wins; names are CUPTI's kernel names (ours start with g4_, see custom_kernels)
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_config(args.model, args.layers)
     doc = dict(bench="gpu_timeline", date=datetime.datetime.now().isoformat(timespec="seconds"),
                model=args.model, layers=args.layers or cfg.num_hidden_layers, context=args.context,
-               steps=args.steps, commit=decode._commit(), hardware=hardware_info(),
+               steps=args.steps, commit=commit(), sources=sources_digest(), hardware=hardware_info(),
                versions=dict(mlx=mx.__version__), engines={})
     engines = [decode.OursEngine(cfg)] + ([decode.MlxLmEngine(cfg, 64)] if args.mlx_lm else [])
     trace_dir = args.trace_dir or tempfile.mkdtemp()

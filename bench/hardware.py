@@ -1,7 +1,10 @@
-"""The hardware description every benchmark JSON carries (backend, MLX device info, nvidia-smi)."""
+"""What every benchmark JSON carries about where it ran: the hardware (backend, MLX device info,
+nvidia-smi) and the code (git commit and a digest of the package sources)."""
 
 from __future__ import annotations
 
+import hashlib
+import pathlib
 import platform
 import subprocess
 
@@ -24,3 +27,26 @@ def hardware_info() -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return info
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    """`git rev-parse --short HEAD` of the checkout ('' if unknown). A copied tree may carry stale
+    git metadata (the GPU machine's copy once reported an old commit): sources_digest() is the check."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10)  # fmt: skip
+        return out.stdout.strip() if out.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def sources_digest() -> str:
+    """sha256 (16 hex digits) over the paths and bytes of gemma4_mlx/ and custom_kernels/ *.py: the
+    code that ran, whatever git says (recompute it at any commit to match a result)."""
+    h = hashlib.sha256()
+    for path in sorted((*ROOT.glob("gemma4_mlx/**/*.py"), *ROOT.glob("custom_kernels/**/*.py"))):
+        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]

@@ -33,14 +33,13 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import mlx.core as mx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hardware import hardware_info  # noqa: E402  (bench/hardware.py)
+from hardware import commit, hardware_info, sources_digest  # noqa: E402  (bench/hardware.py)
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -516,14 +515,6 @@ def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
          if "stream" in r["impl"]], sweep_rows)  # fmt: skip
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() if out.returncode == 0 else ""
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def hardware() -> dict:
     return hardware_info()
 
@@ -580,7 +571,7 @@ def main() -> None:
         doc = dict(
             bench="bench/kernels.py", date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args),
             hardware=hardware(), versions=dict(mlx=mx.__version__, numpy=np.__version__, python=platform.python_version(),
-                                               commit=_commit()),
+                                               commit=commit(), sources=sources_digest()),
             copy_bandwidth=copy, results=rows, ratios=_ratios(rows), sweep=sweep_rows, overhead=overhead_rows,
             env={k: v for k, v in os.environ.items() if k.startswith("MLX_")}, complete=done,
             seconds=time.time() - t0,

@@ -228,7 +228,7 @@ def test_targets_table_latest_and_plot(tmp_path, monkeypatch):
     assert "| E4B | 4096 | skipped (budget) |" in table
     assert "| 31B | 4096 | gemma4_mlx | 5.90 | 4.00 | 0.50 | 0.50 | 0.10 | 0.80 | 0.30 |" in table
     assert "| 31B 32K / 4K | 0.85 | 0.82 | no |" in table
-    assert "worst 0.90 (gemma4_mlx, 31B at 32768) — a step copies cache buffers" in table
+    assert "worst 0.90 (gemma4_mlx, 31B at 32768) — a step may copy a cache buffer" in table
     # latest full run by recorded date; --quick results are never "latest"
     for name, date in (("decode-cuda-2026-12-01.json", "2026-12-01T10:00:00"),
                        ("decode-cuda-2026-11-30.json", "2026-11-30T23:00:00"),
