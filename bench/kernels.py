@@ -142,6 +142,25 @@ def time_rotating(calls: list, quick: bool) -> float:
     return statistics.median(samples)
 
 
+def timed(calls: list, quick: bool, nbytes: int) -> dict:
+    """time_us / GBps: back-to-back calls of a round (time_rotating). The calls of a round are
+    independent, so MLX's CUDA graph may run their kernels concurrently, which flatters kernels that
+    do not fill the GPU alone. On CUDA (with torch's profiler at hand) also serial_us / serial_GBps:
+    GPU kernel time per call with each call evaluated on its own (bench/gpu_timeline.py), which is
+    how a decode step runs them, one after another."""
+    sec = time_rotating(calls, quick)
+    out = dict(time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9)
+    if custom_kernels.backend() == "cuda" and not quick:
+        try:
+            from gpu_timeline import kernel_time_per_call  # noqa: PLC0415  (needs torch)
+
+            us = kernel_time_per_call(calls[:16], reps=2)["gpu_us"]
+            out.update(serial_us=us, serial_GBps=nbytes / us / 1e3)
+        except ImportError:
+            pass
+    return out
+
+
 def host_split(calls: list, quick: bool) -> dict:
     """Where the time of a round goes: ``host_us`` per call until mx.async_eval returns (MLX's
     scheduling and graph building/launch on the host), ``total_us`` per call until the device is
@@ -273,9 +292,9 @@ def read_probe_rows(model, name, n, k, weights, quick) -> list[dict]:
         got = np.bitwise_xor.reduce(np.array(read_probe(w0, order)))
         if w0.nbytes % 16 or got != want:
             raise RuntimeError(f"read probe {what}: XOR {got:#x} != {want:#x} (or bytes not a multiple of 16)")
-        sec = time_rotating([lambda w=w: read_probe(w, order) for w in weights], quick)
+        calls = [lambda w=w: read_probe(w, order) for w in weights]
         rows.append(dict(model=model, name=name, impl=f"read probe: {what}", N=n, K=k, M=1, sets=len(weights),
-                         time_us=sec * 1e6, bytes=w0.nbytes, GBps=w0.nbytes / sec / 1e9))  # fmt: skip
+                         **timed(calls, quick, w0.nbytes)))  # fmt: skip
     return rows
 
 
@@ -304,26 +323,23 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
                 calls = [lambda w=w: qm.launch_dense(x, w, ggml_type, n, config=config) for w in weights]
             else:
                 calls = [lambda w=w: qm.quant_matvec(x, w, ggml_type, n) for w in weights]
-            sec = time_rotating(calls, quick)
+            t = timed(calls, quick, nbytes)
             cfg = config or qm.default_config(ggml_type, "dense", m, n, k)
             rows.append(dict(model=model, name=name, impl=f"{qm._fmt(ggml_type).name}_matvec", N=n, K=k, M=m,
-                             sets=sets, time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
-                             config=[cfg.rows_per_simd, cfg.simd_groups, cfg.lanes_per_block]))  # fmt: skip
+                             sets=sets, **t, config=[cfg.rows_per_simd, cfg.simd_groups, cfg.lanes_per_block]))  # fmt: skip
         if (stream and on_gpu and ggml_type == qm.Q4_0 and custom_kernels.backend() == "cuda"
                 and qm.stream_supported(dtype, k)):  # fmt: skip
             scfg = stream if isinstance(stream, qm.StreamConfig) else qm.default_stream_config("dense", m, n, k)
             calls = [lambda w=w: qm.launch_dense_stream(x, w, n, config=scfg) for w in weights]
-            sec = time_rotating(calls, quick)
             rows.append(dict(model=model, name=name, impl="q4_0_matvec_stream", N=n, K=k, M=m, sets=sets,
-                             time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
+                             **timed(calls, quick, nbytes),
                              config=[scfg.tiles, scfg.warps, scfg.stages, scfg.group_blocks, int(scfg.rotate)],
                              **host_split(calls[:8], quick)))  # fmt: skip  # fmt: skip
         if mma and on_gpu and ggml_type == qm.Q4_0 and dtype == mx.bfloat16 and custom_kernels.backend() == "cuda":
             mcfg = mma if isinstance(mma, qm.MmaConfig) else qm.default_mma_config(n)
             calls = [lambda w=w: qm.launch_dense_mma(x, w, n, config=mcfg) for w in weights]
-            sec = time_rotating(calls, quick)
             rows.append(dict(model=model, name=name, impl="q4_0_matvec_mma", N=n, K=k, M=m, sets=sets,
-                             time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
+                             **timed(calls, quick, nbytes),
                              config=[mcfg.tiles, mcfg.warps]))  # fmt: skip
     if with_qmm and ggml_type in (qm.Q4_0, qm.Q8_0):
         bits = 4 if ggml_type == qm.Q4_0 else 8
@@ -334,10 +350,9 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
         for m in ms:
             x = mx.random.normal((m, k)).astype(dtype)
             calls = [lambda a=a: mx.quantized_matmul(x, *a, transpose=True, group_size=32, bits=bits) for a in affine]
-            sec = time_rotating(calls, quick)
             nbytes = abytes + m * k * _dtype_bytes(dtype) + m * n * _dtype_bytes(dtype)
             rows.append(dict(model=model, name=name, impl=f"mx.quantized_matmul_{bits}bit", N=n, K=k, M=m,
-                             sets=sets, time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9))  # fmt: skip
+                             sets=sets, **timed(calls, quick, nbytes)))  # fmt: skip
     return rows
 
 
@@ -360,9 +375,8 @@ def gate_up_case(model, f, k, ms, dtype, quick, on_gpu):
         }
         for impl, fn in variants.items():
             calls = [lambda w=w, fn=fn: fn(w) for w in weights]
-            sec = time_rotating(calls, quick)
             rows.append(dict(model=model, name="ffn_gate+up", impl=impl, N=2 * f, K=k, M=m, sets=sets,
-                             time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9,
+                             **timed(calls, quick, nbytes),
                              **host_split(calls[:8], quick)))  # fmt: skip
     return rows
 
@@ -416,10 +430,9 @@ def expert_case(model, ex, h, dtype, quick, on_gpu, stream_configs=None, with_ml
             variants += [("q4_0_gate_up+gather+wsum (mlx)", old_summed, None), ("q4_0_gate_up+down_sum_stream", fused, None)]
     for impl, fn, cfg in variants:
         calls = [lambda i=i, fn=fn: fn(i) for i in range(sets)]
-        sec = time_rotating(calls, quick)
         extra = {} if cfg is None else {"config": [cfg.tiles, cfg.warps, cfg.stages, cfg.group_blocks, int(cfg.rotate)]}
-        rows.append(dict(model=model, name=label, impl=impl, N=2 * f, K=h, M=1, E=e, sets=sets, time_us=sec * 1e6,
-                         bytes=nbytes, GBps=nbytes / sec / 1e9, **extra, **host_split(calls, quick)))  # fmt: skip
+        rows.append(dict(model=model, name=label, impl=impl, N=2 * f, K=h, M=1, E=e, sets=sets,
+                         **timed(calls, quick, nbytes), **extra, **host_split(calls, quick)))  # fmt: skip
     if not with_mlx:
         return rows
     affine = [(to_affine(gu, qm.Q4_0, h, dtype), to_affine(dn, qm.Q4_0, f, dtype)) for gu, dn in layers]
@@ -435,10 +448,9 @@ def expert_case(model, ex, h, dtype, quick, on_gpu, stream_configs=None, with_ml
         a = qm.gelu_tanh(gu[..., :f]) * gu[..., f:]
         return mx.gather_qmm(a, dw, ds, db, rhs_indices=flat, transpose=True, group_size=32, bits=4)
 
-    sec = time_rotating([lambda i=i: mlx_path(i) for i in range(sets)], quick)
     nbytes = abytes + (h + 2 * top_k * f + top_k * h) * act
     rows.append(dict(model=model, name=f"experts top{top_k} (gate_up+down)", impl="mx.gather_qmm_4bit", N=2 * f,
-                     K=h, M=1, E=e, sets=sets, time_us=sec * 1e6, bytes=nbytes, GBps=nbytes / sec / 1e9))  # fmt: skip
+                     K=h, M=1, E=e, sets=sets, **timed([lambda i=i: mlx_path(i) for i in range(sets)], quick, nbytes)))  # fmt: skip
     return rows
 
 
@@ -532,8 +544,10 @@ def _print_row(r: dict) -> None:
         return
     cfg = f" {r['config']}" if "config" in r else ""
     split = f" host {r['host_us']:.1f}/{r['total_us']:.1f} us" if "host_us" in r else ""
+    serial = (f" serial {r['serial_us']:.1f} us {100 * r['frac_copy_serial']:.1f}%" if "frac_copy_serial" in r
+              else "")  # fmt: skip
     print(f"{r['model']:8} {r['name'][:20]:20} {r['impl'][:26]:26} {r['N']:7d} {r['K']:6d} {r['M']:2d} "
-          f"{r['time_us']:9.1f} {r['GBps']:7.0f} {100 * r['frac_copy']:5.1f}%{cfg}{split}", flush=True)  # fmt: skip
+          f"{r['time_us']:9.1f} {r['GBps']:7.0f} {100 * r['frac_copy']:5.1f}%{serial}{cfg}{split}", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -583,6 +597,8 @@ def main() -> None:
         for r in new:
             if "GBps" in r:
                 r["frac_copy"] = r["GBps"] / copy["GBps"]
+                if "serial_GBps" in r:
+                    r["frac_copy_serial"] = r["serial_GBps"] / copy["GBps"]
             _print_row(r)
         into.extend(new)
 
