@@ -112,6 +112,32 @@ def one_step(kernels: list[tuple[str, float, float]], marker: str = r"g4_sample_
     return [(short_name(n), round(d, 2)) for n, _, d in kernels[ends[-2] + 1:ends[-1] + 1]]
 
 
+def stages(step: list[tuple[str, float]]) -> dict:
+    """Issue 5's stage breakdown of one step's kernel sequence (one_step): `head` is the step's
+    last weight matvec, `sampling` everything after it (softcap, log-softmax, selection),
+    `projections` the other weight matvecs (ours), `attention` the attention kernels, `other ops`
+    the rest (norms, RoPE, cache writes, residuals, position arithmetic); us and launches each."""
+    matvec = [i for i, (n, _) in enumerate(step) if n.startswith("g4_q") or "qmv" in n or "gemv" in n]
+    if not matvec:
+        return {}
+    head = matvec[-1]
+    out = {k: dict(us=0.0, launches=0) for k in ("projections", "attention", "other ops", "head", "sampling")}
+    for i, (name, us) in enumerate(step):
+        if i == head:
+            key = "head"
+        elif i > head:
+            key = "sampling"
+        elif i in matvec:
+            key = "projections"
+        elif name.startswith("g4_attn") or "sdpa" in name:
+            key = "attention"
+        else:
+            key = "other ops"
+        out[key]["us"] += us
+        out[key]["launches"] += 1
+    return out
+
+
 def short_name(name: str) -> str:
     """A kernel name without its argument list and namespace (ours: without the text digest)."""
     name = re.sub(r"^void ", "", name.split("(")[0]).replace("mlx::core::cu::", "")
@@ -158,6 +184,7 @@ def profile_steps(step, first, steps: int, trace_path: str) -> dict:
     kernels = kernels_of_trace(trace)
     out = summarize(kernels, steps + 1)  # time_tokens evaluates steps + 1 outputs
     out["one_step"] = one_step(kernels)
+    out["stages"] = stages(out["one_step"])
     out["timing_under_profiler"] = timing
     out["torch"] = torch.__version__
     return out
@@ -170,6 +197,9 @@ def print_summary(label: str, s: dict) -> None:
           f"{s['launches']:.0f} launches", flush=True)
     for row in s["categories"]:
         print(f"   {row['us']:9.1f} us  {row['launches']:6.1f} x  {row['name']}")
+    if s.get("stages"):
+        print("   stages of one step: " + ", ".join(f"{k} {v['us']:.0f} us ({v['launches']})"
+                                                  for k, v in s["stages"].items()))
     print("   top kernels:")
     for row in s["top_kernels"][:15]:
         print(f"   {row['us']:9.1f} us  {row['launches']:6.1f} x  {row['name'][:110]}")

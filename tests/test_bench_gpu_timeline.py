@@ -62,3 +62,19 @@ def test_one_step_is_the_last_whole_step_with_short_names():
                                     "arg_reduce_general<float, ArgMax<float>, 1024, 4>"]
     assert [d for _, d in step] == [2, 30, 1]
     assert gt.one_step(kernels[:3]) == []
+
+
+def test_stages_split_one_step():
+    import gpu_timeline as gt
+
+    step = [("rms_norm_small<x>", 5.0), ("g4_q4_0_matvec_bf16", 30.0), ("rope_single<x>", 3.0),
+            ("g4_attn_decode_partial_x", 50.0), ("g4_attn_decode_merge_x", 4.0), ("g4_q4_0_gate_up_x", 80.0),
+            ("rms_norm_small<x>", 5.0), ("g4_q8_0_matvec_bf16", 460.0), ("logsumexp<float>", 20.0),
+            ("arg_reduce_general<float, ArgMax<float>>", 27.0)]
+    s = gt.stages(step)
+    assert s["head"] == {"us": 460.0, "launches": 1}
+    assert s["sampling"] == {"us": 47.0, "launches": 2}
+    assert s["projections"] == {"us": 110.0, "launches": 2}
+    assert s["attention"] == {"us": 54.0, "launches": 2}
+    assert s["other ops"] == {"us": 13.0, "launches": 3}
+    assert gt.stages([("rms_norm_small<x>", 5.0)]) == {}
