@@ -327,3 +327,17 @@ def test_kernels_registered_for_emulator_and_compile_tests():
         spec = specs[name]
         assert spec.metal_source and spec.cuda_source and spec.cases(np.random.default_rng(0))
         assert "exp(" not in spec.metal_source.replace("g4_attn_exp(", "")  # the shim has no exp
+
+
+def test_geometry_override(monkeypatch):
+    """GEMMA4_MLX_ATTENTION_GEOMETRY replaces default_config's fields; bad text fails clearly."""
+    base = at.default_config(256, "cuda")
+    monkeypatch.setenv(at.GEOMETRY_ENV, "min_chunk=64, values_batch=16,target_groups=2048")
+    cfg = at.default_config(256, "cuda")
+    assert (cfg.min_chunk, cfg.values_batch, cfg.target_groups) == (64, 16, 2048)
+    assert (cfg.rows, cfg.tile, cfg.simd_groups) == (base.rows, base.tile, base.simd_groups)
+    for bad, match in (("chunk=64", "NAME=INTEGER"), ("min_chunk=x", "NAME=INTEGER"),
+                       ("values_batch=12", "values_batch must be"), ("min_chunk=40", "multiple of tile")):
+        monkeypatch.setenv(at.GEOMETRY_ENV, bad)
+        with pytest.raises(ValueError, match=match):
+            at.default_config(256, "cuda")
