@@ -17,7 +17,6 @@ import gemma4_mlx  # noqa: F401,I001  first: the BLAS preload must come before m
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
@@ -30,7 +29,7 @@ import gpu_timeline  # noqa: E402  (bench/gpu_timeline.py: CUPTI kernel times)
 import kernels  # noqa: E402  (bench/kernels.py: timing harness, copy bandwidth)
 from custom_kernels import attention as at  # noqa: E402
 from custom_kernels import backend  # noqa: E402
-from hardware import commit, hardware_info, sources_digest  # noqa: E402
+from hardware import commit, hardware_info, sources_digest, write_result  # noqa: E402
 
 SLACK = 32  # ring slots beyond the window (cache.RotatingKVCache's default)
 # name -> AttentionConfig fields over the backend's default_config (None: the default itself)
@@ -140,11 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{m:8s} {kind:7s} n={n:6d} {r['geometry']}: {r['error']}", flush=True)
                 doc["results"].extend(rows)
                 del c
-    path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                    f"attention-{backend()}-{doc['date'][:16].replace(':', '')}.json")
-    with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1)
-    print(f"wrote {path}")
+    write_result(doc, f"attention-{backend()}", args.out)
     return 0
 
 

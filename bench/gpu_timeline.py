@@ -28,7 +28,7 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode  # noqa: E402  (bench/decode.py)
-from hardware import commit, hardware_info, sources_digest  # noqa: E402
+from hardware import commit, hardware_info, sources_digest, write_result  # noqa: E402
 from step_settings import model_config  # noqa: E402
 
 # first match wins; names are CUPTI's kernel names (ours start with g4_, see custom_kernels)
@@ -239,11 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             res["profile_error"] = f"{type(exc).__name__}: {exc}"[:400]
             print(f"{e.name}: no profile: {res['profile_error']}", flush=True)
         e.stop()
-    path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                    f"gpu_timeline-{args.model}-{doc['date'][:16].replace(':', '')}.json")
-    with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1)
-    print(f"wrote {path}")
+    write_result(doc, f"gpu_timeline-{args.model}", args.out)
     return 0
 
 

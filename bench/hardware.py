@@ -4,6 +4,7 @@ nvidia-smi) and the code (git commit and a digest of the package sources)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import pathlib
 import platform
 import subprocess
@@ -50,3 +51,12 @@ def sources_digest() -> str:
     for path in sorted((*ROOT.glob("gemma4_mlx/**/*.py"), *ROOT.glob("custom_kernels/**/*.py"))):
         h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
+
+
+def write_result(doc: dict, stem: str, path: str | None = None) -> str:
+    """Write a bench JSON to `path` or bench/results/<stem>-<doc's date to the minute>.json."""
+    path = path or str(ROOT / "bench" / "results" / f"{stem}-{doc['date'][:16].replace(':', '')}.json")
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    print(f"wrote {path}")
+    return path

@@ -38,7 +38,7 @@ import mlx.core as mx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode  # noqa: E402  (bench/decode.py)
 from gemma4_mlx.config import ConfigError  # noqa: E402
-from hardware import hardware_info  # noqa: E402
+from hardware import hardware_info, write_result  # noqa: E402
 
 BIG = "1000000"
 SETTINGS = {
@@ -173,11 +173,7 @@ def main() -> int:
                       f"{res[eng]['first_steps_s']:.0f} s)", flush=True)
         if "primitives" in res:
             print("primitives per step:", res["primitives"], flush=True)
-    path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                    f"step_settings-{args.model}-{doc['date'][:16].replace(':', '')}.json")
-    with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1)
-    print(f"wrote {path}")
+    write_result(doc, f"step_settings-{args.model}", args.out)
     return 0
 
 
