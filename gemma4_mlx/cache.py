@@ -181,7 +181,7 @@ def write_slots(buffer: mx.array, update: mx.array, slots: mx.array) -> mx.array
 
 class StaticKVCache:
     """Full-attention cache of fixed capacity whose length is an int32 array, for a compiled decode
-    step: every update is a slice update at an array offset, so shapes never change."""
+    step: every update writes slots at an array offset (write_slots), so shapes never change."""
 
     def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
         self.keys, self.values, self.offset = keys, values, offset
@@ -203,8 +203,8 @@ class StaticKVCache:
 
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         T = keys.shape[2]
-        slots = self.offset + mx.arange(T, dtype=mx.int32)
-        self.keys, self.values = write_slots(self.keys, keys, slots), write_slots(self.values, values, slots)
+        at = self.offset + mx.arange(T, dtype=mx.int32)
+        self.keys, self.values = write_slots(self.keys, keys, at), write_slots(self.values, values, at)
         self.offset = self.offset + T
         slots = mx.arange(self.capacity, dtype=mx.int32)
         return self.keys, self.values, mx.where(slots < self.offset, slots, -1)
@@ -233,10 +233,9 @@ class StaticRotatingKVCache:
         slot = (self.offset % capacity).reshape(1)
         self.keys, self.values = write_slots(self.keys, keys, slot), write_slots(self.values, values, slot)
         # Slot s holds the latest position p <= offset with p % capacity == s (-1 before the ring
-        # fills): computed, not written, which saves a write per layer (one fused elementwise op
-        # instead). Slots a rollback emptied are given
-        # their previous lap's position, which is more than the window behind every later query
-        # (rollback is bounded by the slack), so the attention mask is unchanged.
+        # fills): computed (one fused elementwise op), not written (a third write per layer). Slots
+        # a rollback emptied are given their previous lap's position, which is more than the window
+        # behind every later query (rollback is bounded by the slack), so the mask is unchanged.
         slots = mx.arange(capacity, dtype=mx.int32)
         latest = self.offset - (self.offset - slots) % capacity
         self.positions = mx.where(latest >= 0, latest, -1)
