@@ -116,8 +116,10 @@ def stages(step: list[tuple[str, float]]) -> dict:
     """Issue 5's stage breakdown of one step's kernel sequence (one_step): `head` is the step's
     last weight matvec, `sampling` everything after it (softcap, log-softmax, selection),
     `projections` the other weight matvecs (ours), `attention` the attention kernels, `other ops`
-    the rest (norms, RoPE, cache writes, residuals, position arithmetic); us and launches each."""
-    matvec = [i for i, (n, _) in enumerate(step) if n.startswith("g4_q") or "qmv" in n or "gemv" in n]
+    the rest (norms, RoPE, cache writes, residuals, position arithmetic); us and launches each.
+    For mlx-lm, whose matvecs are MLX's qmv kernels and whose attention runs through generic
+    kernels, that attention lands in `other ops`."""
+    matvec = [i for i, (n, _) in enumerate(step) if n.startswith("g4_q") or n.startswith("qmv")]
     if not matvec:
         return {}
     head = matvec[-1]
