@@ -73,6 +73,11 @@ def case(spec, n: int, sets: int | None, quick: bool) -> dict:
                 window=spec.sliding_window, kv_bytes=kv_bytes)
 
 
+def gpu_time(calls: list) -> dict:
+    """Serial CUPTI kernel time per call on CUDA (bench/gpu_timeline.py); {} elsewhere."""
+    return gpu_timeline.kernel_time_per_call(calls) if backend() == "cuda" else {}
+
+
 def time_geometries(c: dict, geometries: dict, quick: bool) -> list[dict]:
     rows = []
     D = c["q"].shape[-1]
@@ -87,7 +92,7 @@ def time_geometries(c: dict, geometries: dict, quick: bool) -> list[dict]:
             sec = kernels.time_rotating(calls, quick)
             rows.append(dict(impl="g4_attn", geometry=name, parts=plan.parts, groups=plan.partial_grid[0] //
                              plan.partial_threadgroup[0] * plan.parts * plan.partial_grid[2], wall_us=sec * 1e6,
-                             **gpu_timeline.kernel_time_per_call(calls)))
+                             **gpu_time(calls)))
         except ValueError as exc:
             rows.append(dict(impl="g4_attn", geometry=name, error=str(exc)))
     valid = c["valid"]
@@ -96,7 +101,7 @@ def time_geometries(c: dict, geometries: dict, quick: bool) -> list[dict]:
     calls = [lambda k=k, v=v: sdpa(c["q"], k, v, scale=1.0) for k, v in slots_k]
     sec = kernels.time_rotating(calls, quick)
     rows.append(dict(impl="mx.fast.scaled_dot_product_attention", geometry="-", wall_us=sec * 1e6,
-                     **gpu_timeline.kernel_time_per_call(calls)))
+                     **gpu_time(calls)))
     return rows
 
 
@@ -128,12 +133,13 @@ def main(argv: list[str] | None = None) -> int:
                 for r in rows:
                     r.update(model=m, layer=kind, context=n, n_q=spec.num_heads, n_kv=spec.num_kv_heads,
                              head_dim=spec.head_dim, slots=c["slots"], kv_bytes=c["kv_bytes"])
-                    if "gpu_us" in r:
-                        r["GBps"] = c["kv_bytes"] / r["gpu_us"] / 1e3
+                    if "wall_us" in r:
+                        us = r.get("gpu_us", r["wall_us"])  # wall clock only where there is no CUPTI
+                        r["GBps"] = c["kv_bytes"] / us / 1e3
                         r["copy_frac"] = r["GBps"] / copy["GBps"]
                         print(f"{m:8s} {kind:7s} n={n:6d} {r['impl'][:24]:24s} {r['geometry']:22s} "
-                              f"GPU {r['gpu_us']:7.1f} us ({r['launches']:.0f} launches, wall {r['wall_us']:6.1f}) "
-                              f"{r['GBps']:6.0f} GB/s {100 * r['copy_frac']:5.1f}%"
+                              f"GPU {r.get('gpu_us', float('nan')):7.1f} us ({r.get('launches', 0):.0f} launches, "
+                              f"wall {r['wall_us']:6.1f}) {r['GBps']:6.0f} GB/s {100 * r['copy_frac']:5.1f}%"
                               + (f"  parts {r['parts']} groups {r['groups']}" if "parts" in r else ""), flush=True)
                     else:
                         print(f"{m:8s} {kind:7s} n={n:6d} {r['geometry']}: {r['error']}", flush=True)
