@@ -14,6 +14,7 @@ once in the shared dialect (``custom_kernels.dialect``), and one dispatch functi
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ from typing import Callable
 import mlx.core as mx
 
 __all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "mlx_kernel_name", "clear_kernel_cache",
-           "KernelSource", "MX_DTYPES", "dtype_name", "template_args", "KERNELS_ENV", "UNPROVEN_ENV"]
+           "KernelSource", "MX_DTYPES", "dtype_name", "template_args", "KERNELS_ENV", "UNPROVEN_ENV",
+           "geometry_override"]
 
 KERNELS_ENV = "GEMMA4_MLX_KERNELS"
 """Environment variable: ``reference`` forces the pure-MLX references even on a GPU build."""
@@ -36,6 +38,27 @@ PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "samplin
 passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests)."""
 
 _kernel_cache: dict[tuple, Callable] = {}
+
+
+def geometry_override(cfg, env: str):
+    """cfg (a frozen dataclass of launch geometry) with the fields named in environment variable
+    `env` ("name=INT,name=INT") replaced: a tuning knob for trying geometries inside a model on
+    a GPU the defaults were not measured on. Unset or empty: cfg itself. Bad text: ValueError."""
+    text = os.environ.get(env, "").strip()
+    if not text:
+        return cfg
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    changes = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in fields or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"{env}: '{item.strip()}' is not NAME=INTEGER with NAME one of {', '.join(sorted(fields))}")
+        changes[name] = int(value)
+    try:
+        return dataclasses.replace(cfg, **changes)
+    except ValueError as exc:
+        raise ValueError(f"{env}={text}: {exc}") from None
 
 
 def backend() -> str:

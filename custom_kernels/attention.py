@@ -62,15 +62,13 @@ compile/emulator tests, whose Metal shim has no exp.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from . import KernelSource, backend, dtype_name, template_args, use_reference
+from . import KernelSource, backend, dtype_name, geometry_override, template_args, use_reference
 from .dialect import prelude, render
 
 __all__ = [
@@ -521,27 +519,7 @@ class AttentionConfig:
 
 
 GEOMETRY_ENV = "GEMMA4_MLX_ATTENTION_GEOMETRY"
-
-
-def geometry_override(cfg: AttentionConfig) -> AttentionConfig:
-    """cfg with the fields named in GEMMA4_MLX_ATTENTION_GEOMETRY ("min_chunk=64,values_batch=16")
-    replaced: a tuning knob for a GPU the defaults were not measured on (bench/attention.py)."""
-    text = os.environ.get(GEOMETRY_ENV, "").strip()
-    if not text:
-        return cfg
-    fields = {f.name for f in dataclasses.fields(AttentionConfig)}
-    changes = {}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        name = name.strip()
-        if name not in fields or not value.strip().lstrip("-").isdigit():
-            raise ValueError(f"{GEOMETRY_ENV}: '{item.strip()}' is not NAME=INTEGER with NAME one of "
-                             f"{', '.join(sorted(fields))}")  # fmt: skip
-        changes[name] = int(value)
-    try:
-        return dataclasses.replace(cfg, **changes)
-    except ValueError as exc:
-        raise ValueError(f"{GEOMETRY_ENV}={text}: {exc}") from None
+"""AttentionConfig fields over default_config's, e.g. "min_chunk=64,values_batch=16" (tuning)."""
 
 
 def default_config(head_dim: int, which: str | None = None) -> AttentionConfig:
@@ -553,7 +531,8 @@ def default_config(head_dim: int, which: str | None = None) -> AttentionConfig:
     budget = 16 * 1024 if which == "metal" else 32 * 1024
     rows = max(1, min(32, budget // (4 * head_dim)))
     target = 128 if which == "metal" else 512
-    return geometry_override(AttentionConfig(rows=rows, simd_groups=4, tile=32, min_chunk=256, target_groups=target))
+    cfg = AttentionConfig(rows=rows, simd_groups=4, tile=32, min_chunk=256, target_groups=target)
+    return geometry_override(cfg, GEOMETRY_ENV)
 
 
 def partition_layout(n_slots: int, parts: int, min_chunk: int, tile: int) -> tuple[int, int]:

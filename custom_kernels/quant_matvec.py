@@ -60,7 +60,8 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import KernelSource, backend, dtype_name, get_kernel, template_args, use_kernel, use_reference
+from . import (KernelSource, backend, dtype_name, geometry_override, get_kernel, template_args, use_kernel,
+               use_reference)
 from .dialect import emit, prelude
 
 __all__ = [
@@ -593,6 +594,11 @@ _ALL_KERNELS = ((Q4_0, "dense"), (Q8_0, "dense"), (Q6_K, "dense"), (Q4_0, "gathe
 # --------------------------------------------------------------------------------------------
 
 
+DENSE_M1_GEOMETRY_ENV = "GEMMA4_MLX_MATVEC_GEOMETRY"
+"""KernelConfig fields over default_config's for the dense kernel at M = 1 (the decode step's
+projections), e.g. "rows_per_simd=1,simd_groups=4,lanes_per_block=1" (tuning)."""
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Geometry of one launch: R rows per SIMD group, NSG SIMD groups per threadgroup, LPB lanes
@@ -620,7 +626,7 @@ def default_config(ggml_type: int, kind: str, m: int, n: int, k: int, pairs: int
     vectors keep M x weights-per-lane activations in registers and idle fewer lanes on short
     rows). Threadgroups of 4 warps on CUDA, 2 SIMD groups on Metal, halved while that leaves
     fewer than 256 threadgroups (small N must still fill the GPU). CUDA dense M = 1: R = 2,
-    2 warps (the best of the H200 geometry sweep).
+    2 warps (the best of the H200 geometry sweep); GEMMA4_MLX_MATVEC_GEOMETRY overrides it.
     """
     which = which or backend()
     r = 4
@@ -634,7 +640,8 @@ def default_config(ggml_type: int, kind: str, m: int, n: int, k: int, pairs: int
     rows = n if kind != "gate_up" else n  # gate_up: n is F (rows of gate)
     while nsg > 1 and math.ceil(rows / (r * nsg)) * pairs < 256:
         nsg //= 2
-    return KernelConfig(r, nsg, lpb)
+    cfg = KernelConfig(r, nsg, lpb)
+    return geometry_override(cfg, DENSE_M1_GEOMETRY_ENV) if kind == "dense" and m == 1 else cfg
 
 
 @dataclass(frozen=True)
@@ -1156,6 +1163,10 @@ _STREAM_STORE = {
 }
 
 
+GATE_UP_M1_GEOMETRY_ENV = "GEMMA4_MLX_GATE_UP_GEOMETRY"
+"""StreamConfig fields for the gate/up stream kernel at M = 1, e.g. "warps=8,stages=6" (tuning)."""
+
+
 @dataclass(frozen=True)
 class StreamConfig:
     """Geometry of the CUDA stream kernels: 16-row tiles per warp, warps per block (each with its
@@ -1216,11 +1227,13 @@ def _stream_def(kind: str) -> _KernelDef:
 
 def default_stream_config(kind: str, m: int, n: int, k: int, pairs: int = 1, slots: int = 8) -> StreamConfig:
     """One 16-row tile per warp, 4 warps, 4 stages (a starting point; bench/kernels.py --focus);
-    down_sum: a warp per slot (up to 8), 2 stages (static shared memory)."""
+    down_sum: a warp per slot (up to 8), 2 stages (static shared memory). GEMMA4_MLX_GATE_UP_GEOMETRY
+    overrides the gate/up kernel's at M = 1 (a dense FFN's fused gate|up, or a token's experts)."""
     if kind == "down_sum":
         warps = 1 << max(0, math.ceil(math.log2(max(1, min(slots, 8)))))
         return StreamConfig(1, warps, 2)
-    return StreamConfig(1, 4, 4)
+    cfg = StreamConfig(1, 4, 4)
+    return geometry_override(cfg, GATE_UP_M1_GEOMETRY_ENV) if kind == "gate_up" and m == 1 else cfg
 
 
 def stream_supported(x_dtype: mx.Dtype, k: int) -> bool:

@@ -324,3 +324,29 @@ def test_registry_lists_every_kernel_with_consistent_cases():
             got = np.array(ref.astype(mx.float32)).reshape(case.output_shapes[0])
             ok = np.abs(got - case.expected[0]) <= case.atol + case.rtol * np.abs(case.expected[0])
             assert ok.all(), f"{spec.name} {case.label}"
+
+
+def test_dense_m1_geometry_override(monkeypatch):
+    """GEMMA4_MLX_MATVEC_GEOMETRY changes the dense M = 1 launch only; bad text fails clearly."""
+    base = qm.default_config(qm.Q4_0, "dense", 1, 5376, 21504, which="cuda")
+    monkeypatch.setenv(qm.DENSE_M1_GEOMETRY_ENV, "rows_per_simd=1,lanes_per_block=1")
+    cfg = qm.default_config(qm.Q4_0, "dense", 1, 5376, 21504, which="cuda")
+    assert (cfg.rows_per_simd, cfg.lanes_per_block, cfg.simd_groups) == (1, 1, base.simd_groups)
+    assert qm.default_config(qm.Q4_0, "dense", 2, 5376, 21504, which="cuda").rows_per_simd == 4
+    assert qm.default_config(qm.Q4_0, "gather", 1, 5376, 21504, which="cuda").rows_per_simd == 4
+    plan = qm.plan_launch(qm.Q4_0, "dense", "bfloat16", 1, 5376, 21504)
+    assert dict(plan.template)["R"] == 1 and dict(plan.template)["LPB"] == 1
+    monkeypatch.setenv(qm.DENSE_M1_GEOMETRY_ENV, "lanes_per_block=3")
+    with pytest.raises(ValueError, match="lanes_per_block must be"):
+        qm.default_config(qm.Q4_0, "dense", 1, 5376, 21504, which="cuda")
+
+
+def test_gate_up_m1_geometry_override(monkeypatch):
+    monkeypatch.setenv(qm.GATE_UP_M1_GEOMETRY_ENV, "warps=2,stages=6,rotate=1")
+    cfg = qm.default_stream_config("gate_up", 1, 21504, 5376)
+    assert (cfg.warps, cfg.stages, cfg.group_blocks, cfg.tiles, cfg.rotate) == (2, 6, 8, 1, 1)
+    assert qm.default_stream_config("gate_up", 2, 21504, 5376).warps == 4
+    assert qm.default_stream_config("dense", 1, 21504, 5376).warps == 4
+    monkeypatch.setenv(qm.GATE_UP_M1_GEOMETRY_ENV, "warps=8,stages=8,group_blocks=64")
+    with pytest.raises(ValueError, match="shared memory"):
+        qm.default_stream_config("gate_up", 1, 21504, 5376)
