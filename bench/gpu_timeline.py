@@ -8,6 +8,10 @@ CUDA wheel and torch use the same nvidia-* runtime packages). The model is bench
 (random weights in real shapes), optionally cut to its first N layers (bench/step_settings.py).
 
     python bench/gpu_timeline.py [--model 31B] [--layers 12] [--context 4096] [--steps 8] [--mlx-lm]
+        [--variant NAME="GEMMA4_MLX_ATTENTION_GEOMETRY=min_chunk=64 GEMMA4_MLX_MATVEC_GEOMETRY=..."]
+
+Each --variant runs our model again (weights built once) with those environment variables set
+while its decode step is traced: the launch-geometry overrides of custom_kernels take effect there.
 """
 
 from __future__ import annotations
@@ -207,6 +211,20 @@ def print_summary(label: str, s: dict) -> None:
         print(f"   {row['us']:9.1f} us  {row['launches']:6.1f} x  {row['name'][:110]}")
 
 
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """'NAME=VAR=VALUE VAR2=VALUE2' -> (NAME, {VAR: VALUE, VAR2: VALUE2})."""
+    name, _, rest = text.partition("=")
+    env = {}
+    for item in rest.split():
+        var, eq, value = item.partition("=")
+        if not eq or not var:
+            raise SystemExit(f"--variant {text!r}: expected NAME=VAR=VALUE [VAR=VALUE ...]")
+        env[var] = value
+    if not name or not env:
+        raise SystemExit(f"--variant {text!r}: expected NAME=VAR=VALUE [VAR=VALUE ...]")
+    return name, env
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="31B")
@@ -215,32 +233,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="profiled tokens")
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--mlx-lm", action="store_true", help="profile mlx-lm's model on the same shapes too")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ENV",
+                    help="also run ours with these space-separated VAR=VALUE settings (repeatable)")
     ap.add_argument("--trace-dir", default=None, help="keep the Chrome traces here")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    variants = [("", {})] + [parse_variant(v) for v in args.variant]
     cfg = model_config(args.model, args.layers)
     doc = dict(bench="gpu_timeline", date=datetime.datetime.now().isoformat(timespec="seconds"),
                model=args.model, layers=args.layers or cfg.num_hidden_layers, context=args.context,
                steps=args.steps, commit=commit(), sources=sources_digest(), hardware=hardware_info(),
                versions=dict(mlx=mx.__version__), engines={})
-    engines = [decode.OursEngine(cfg)] + ([decode.MlxLmEngine(cfg, 64)] if args.mlx_lm else [])
+    ours = decode.OursEngine(cfg)
+    runs = [(ours, name, env) for name, env in variants]
+    runs += [(decode.MlxLmEngine(cfg, 64), "", {})] if args.mlx_lm else []
     trace_dir = args.trace_dir or tempfile.mkdtemp()
     first = mx.array([5], mx.int32)
-    for e in engines:
-        t0 = time.time()
-        e.start(args.context, 2 * (args.warmup + args.steps) + 8)
-        step = e.full_step()
-        res = dict(plain=decode.time_tokens(step, first, args.warmup, args.steps), start_s=time.time() - t0)
-        doc["engines"][e.name] = res
-        print(f"{e.name}: {res['plain']['tok_s']:.1f} tok/s, {res['plain']['ms_per_token']:.2f} ms/token, host "
-              f"{res['plain'].get('host_ms', 0):.2f} ms (unprofiled)", flush=True)
+    for e, name, env in runs:
+        label = f"{e.name}:{name}" if name else e.name
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
-            res.update(profile_steps(step, first, args.steps, os.path.join(trace_dir, f"trace-{e.name}.json")))
-            print_summary(e.name, res)
-        except (ImportError, ValueError, RuntimeError, AssertionError) as exc:
-            res["profile_error"] = f"{type(exc).__name__}: {exc}"[:400]
-            print(f"{e.name}: no profile: {res['profile_error']}", flush=True)
-        e.stop()
+            t0 = time.time()
+            e.start(args.context, 2 * (args.warmup + args.steps) + 8)
+            step = e.full_step()
+            res = dict(env=env, plain=decode.time_tokens(step, first, args.warmup, args.steps),
+                       start_s=time.time() - t0)  # fmt: skip
+            doc["engines"][label] = res
+            print(f"{label}: {res['plain']['tok_s']:.1f} tok/s, {res['plain']['ms_per_token']:.2f} ms/token, host "
+                  f"{res['plain'].get('host_ms', 0):.2f} ms (unprofiled)", flush=True)
+            try:
+                res.update(profile_steps(step, first, args.steps, os.path.join(trace_dir, f"trace-{label}.json")))
+                print_summary(label, res)
+            except (ImportError, ValueError, RuntimeError, AssertionError) as exc:
+                res["profile_error"] = f"{type(exc).__name__}: {exc}"[:400]
+                print(f"{label}: no profile: {res['profile_error']}", flush=True)
+        except ValueError as exc:  # a variant's geometry the kernels reject
+            doc["engines"][label] = dict(env=env, error=str(exc)[:400])
+            print(f"{label}: failed: {exc}", flush=True)
+        finally:
+            e.stop()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     write_result(doc, f"gpu_timeline-{args.model}", args.out)
     return 0
 

@@ -78,3 +78,34 @@ def test_stages_split_one_step():
     assert s["attention"] == {"us": 54.0, "launches": 2}
     assert s["other ops"] == {"us": 13.0, "launches": 3}
     assert gt.stages([("rms_norm_small<x>", 5.0)]) == {}
+
+
+def test_variant_parsing():
+    import gpu_timeline as gt
+
+    name, env = gt.parse_variant("vb16=GEMMA4_MLX_ATTENTION_GEOMETRY=min_chunk=64,values_batch=16 "
+                                 "GEMMA4_MLX_MATVEC_GEOMETRY=rows_per_simd=1")
+    assert name == "vb16"
+    assert env == {"GEMMA4_MLX_ATTENTION_GEOMETRY": "min_chunk=64,values_batch=16",
+                   "GEMMA4_MLX_MATVEC_GEOMETRY": "rows_per_simd=1"}
+    for bad in ("novalue", "x=", "=A=1", "x=A"):
+        with pytest.raises(SystemExit):
+            gt.parse_variant(bad)
+
+
+def test_variants_run_with_their_environment(monkeypatch, tmp_path):
+    """On the CPU (no profiler activity): each variant decodes with its variables set, restored after."""
+    import json
+    import os
+
+    import gpu_timeline as gt
+
+    monkeypatch.delenv("GEMMA4_MLX_ATTENTION_GEOMETRY", raising=False)
+    out = tmp_path / "t.json"
+    gt.main(["--model", "tiny-dense", "--context", "40", "--steps", "2", "--warmup", "1", "--out", str(out),
+             "--variant", "v=GEMMA4_MLX_ATTENTION_GEOMETRY=min_chunk=64", "--variant", "bad=GEMMA4_MLX_MATVEC_GEOMETRY=x=1"])
+    doc = json.loads(out.read_text())
+    assert set(doc["engines"]) == {"gemma4_mlx", "gemma4_mlx:v", "gemma4_mlx:bad"}
+    assert doc["engines"]["gemma4_mlx:v"]["env"] == {"GEMMA4_MLX_ATTENTION_GEOMETRY": "min_chunk=64"}
+    assert doc["engines"]["gemma4_mlx:v"]["plain"]["tok_s"] > 0
+    assert "GEMMA4_MLX_ATTENTION_GEOMETRY" not in os.environ
