@@ -12,6 +12,8 @@ import subprocess
 import custom_kernels
 import mlx.core as mx
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 
 def hardware_info() -> dict:
     info: dict = {"backend": custom_kernels.backend(), "machine": platform.machine(), "system": platform.system()}
@@ -28,9 +30,6 @@ def hardware_info() -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return info
-
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def commit() -> str:
