@@ -94,10 +94,8 @@ class Attention(nn.Module):
         names = ["q_proj"] + ([] if s.kv_shared else ["k_proj"] if s.k_eq_v else ["k_proj", "v_proj"])
         return [self[n](x) for n in names]
 
-    def __call__(self, x, offset, q_pos, cache, shared_kv, mask_fn):
-        """x [B, T, H] -> [B, T, H]; offset: positions held before this step (int, or the int32
-        array of a compiled step), q_pos: int32 [T] this step's positions (offset + 0..T-1, computed
-        once per step by TextModel). Owners update `cache` and publish (K, V, positions, n_slots) in
+    def __call__(self, x, offset, cache, shared_kv, mask_fn):
+        """x [B, T, H] -> [B, T, H]. Owners update `cache` and publish (K, V, positions, n_slots) in
         shared_kv[type] for the KV-shared consumers of this step; consumers read it from there."""
         B, T, _ = x.shape
         s = self.spec
@@ -115,11 +113,11 @@ class Attention(nn.Module):
                 keys, values, positions = cache.update(k, v)
                 n_slots = cache.offset if isinstance(cache, StaticKVCache) else None
             else:
-                keys, values, positions = k, v, q_pos
+                keys, values, positions = k, v, offset + mx.arange(T, dtype=mx.int32)
             shared_kv[s.type] = (keys, values, positions, n_slots)
         if T <= MAX_QUERY_ROWS and use_kernel("attention"):
             # decode / verification on a GPU: split-GQA kernel straight over the cache buffers
-            out = decode_attention(q, keys, values, positions, q_pos,
+            out = decode_attention(q, keys, values, positions, offset + mx.arange(T, dtype=mx.int32),
                                    s.sliding_window, n_slots=n_slots)
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask_fn(s, positions))
@@ -205,8 +203,8 @@ class DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(D, H, bias=False)
             self.post_per_layer_input_norm = RMSNorm(H, eps)
 
-    def __call__(self, h, offset, q_pos, cache, shared_kv, mask_fn, per_layer_input=None):
-        a = self.self_attn(self.input_layernorm(h), offset, q_pos, cache, shared_kv, mask_fn)
+    def __call__(self, h, offset, cache, shared_kv, mask_fn, per_layer_input=None):
+        a = self.self_attn(self.input_layernorm(h), offset, cache, shared_kv, mask_fn)
         h = h + self.post_attention_layernorm(a)
         m = self.mlp(self.pre_feedforward_layernorm(h))
         if self.spec.moe:
@@ -272,7 +270,7 @@ class TextModel(nn.Module):
 
         shared_kv: dict = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, offset, q_pos, cache[i] if cache else None, shared_kv, mask_fn,
+            h = layer(h, offset, cache[i] if cache else None, shared_kv, mask_fn,
                       ple[:, :, i] if ple is not None else None)
             if hidden_states is not None:
                 hidden_states.append(h)
