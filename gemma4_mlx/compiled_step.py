@@ -73,7 +73,7 @@ class CompiledDecoder:
 
     def __call__(self, token: mx.array) -> mx.array:
         if self.length + token.shape[-1] > self.capacity:
-            # a slice update past the buffer end is not checked by MLX: never let it happen
+            # a write past the buffer end (a scatter index) is not checked by MLX: never let it happen
             raise ValueError(f"the compiled decode step is full ({self.capacity} positions)")
         state, self.state = self.state, None
         out, *new_state = self._step(token, *state)
