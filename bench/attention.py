@@ -35,13 +35,10 @@ SLACK = 32  # ring slots beyond the window (cache.RotatingKVCache's default)
 # name -> AttentionConfig fields over the backend's default_config (None: the default itself)
 GEOMETRIES = {
     "default": None,
-    "default_vb16": dict(values_batch=16),
     "chunk128": dict(min_chunk=128, target_groups=1024),
     "chunk64_t2048": dict(min_chunk=64, target_groups=2048),
-    "chunk64_t2048_vb8": dict(min_chunk=64, target_groups=2048, values_batch=8),
-    "chunk64_t2048_vb16": dict(min_chunk=64, target_groups=2048, values_batch=16),
-    "chunk64_t2048_vb32": dict(min_chunk=64, target_groups=2048, values_batch=32),
-    "chunk32_t2048_vb32": dict(min_chunk=32, target_groups=2048, values_batch=32),
+    "chunk32_t2048": dict(min_chunk=32, target_groups=2048),
+    "chunk64_t2048_tile64": dict(min_chunk=64, target_groups=2048, tile=64),
 }
 
 

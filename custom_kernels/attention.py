@@ -204,7 +204,6 @@ _HELPERS = r"""
 #   WIN  sliding window (0: full attention)       QT  query rows per threadgroup (tile)
 #   TS   slots per tile (multiple of 8)           NSG SIMD groups per threadgroup (32*NSG >= D/4)
 #   CMIN minimum slots per partition (multiple of TS)
-#   VB   slots whose V rows are loaded before use in the value phase (4: the proven loop; 8..TS)
 # Grid: x = 32*NSG threads x (B * n_kv), y = P partitions, z = ceil(G*M / QT) query tiles.
 _PARTIAL_BODY = r"""
   // gemma4-mlx attn_decode_partial: split-GQA decode attention over one sequence partition
@@ -359,7 +358,6 @@ _PARTIAL_BODY = r"""
         $unroll for (int e = 0; e < 4; ++e) acc[i][e] *= a;
       }
     }
-    if (VB == 4) {
     for (int c = 0; c < TS; c += 4) {
       bool okv[4];
       bool some = false;
@@ -382,29 +380,6 @@ _PARTIAL_BODY = r"""
           }
         }
       }
-    }
-    } else {
-    // VB > 4: the V rows of VB slots are all requested before any is used (one memory latency
-    // per VB slots instead of per 4). A masked slot is not read; its p is exactly 0.
-    $unroll for (int c = 0; c < TS; c += VB) {
-      float vv[VB][4];
-      $unroll for (int u = 0; u < VB; ++u) {
-        if (ok_s[c + u] != 0) {
-          g4_load4(vbase + (size_t)(t0 + c + u) * D + 4 * dv, vv[u]);
-        } else {
-          $unroll for (int e = 0; e < 4; ++e) vv[u][e] = 0.0f;
-        }
-      }
-      $unroll for (int i = 0; i < RPT; ++i) {
-        const int r = rg + RG * i;
-        if (r < nrows) {
-          $unroll for (int u = 0; u < VB; ++u) {
-            const float p = s_s[r * TS + c + u];
-            $unroll for (int e = 0; e < 4; ++e) acc[i][e] += p * vv[u][e];
-          }
-        }
-      }
-    }
     }
     $barrier;
   }
@@ -493,15 +468,13 @@ _SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024}  # static threadgroup me
 class AttentionConfig:
     """Geometry: ``rows`` query rows per threadgroup at most (QT), ``simd_groups`` (NSG),
     ``tile`` slots per tile (TS), ``min_chunk`` slots per partition at least (CMIN), and
-    ``target_groups`` threadgroups to aim for at full length when choosing the partition count,
-    ``values_batch`` slots whose V rows are loaded before any is used (VB; 4 is the proven loop)."""
+    ``target_groups`` threadgroups to aim for at full length when choosing the partition count."""
 
     rows: int = 16
     simd_groups: int = 4
     tile: int = 32
     min_chunk: int = 256
     target_groups: int = 512
-    values_batch: int = 4
 
     def __post_init__(self):
         if not 1 <= self.rows <= 64:
@@ -514,12 +487,10 @@ class AttentionConfig:
             raise ValueError("min_chunk must be a positive multiple of tile")
         if self.target_groups < 1:
             raise ValueError("target_groups must be positive")
-        if self.values_batch not in (4, 8, 16, 32) or self.tile % self.values_batch:
-            raise ValueError("values_batch must be 4, 8, 16 or 32 and divide tile")
 
 
 GEOMETRY_ENV = "GEMMA4_MLX_ATTENTION_GEOMETRY"
-"""AttentionConfig fields over default_config's, e.g. "min_chunk=64,values_batch=16" (tuning)."""
+"""AttentionConfig fields over default_config's, e.g. "min_chunk=64,target_groups=2048" (tuning)."""
 
 
 def default_config(head_dim: int, which: str | None = None) -> AttentionConfig:
@@ -587,7 +558,7 @@ def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: i
     parts = max(1, min(-(-slots // cfg.min_chunk), -(-cfg.target_groups // (bh * tiles))))
     partial_template = [("T", q_dtype), ("KT", kv_dtype), ("D", head_dim), ("G", g), ("M", m),
                         ("WIN", int(window or 0)), ("QT", qt), ("TS", cfg.tile), ("NSG", cfg.simd_groups),
-                        ("CMIN", cfg.min_chunk), ("VB", cfg.values_batch)]  # fmt: skip
+                        ("CMIN", cfg.min_chunk)]  # fmt: skip
     merge_template = [("T", q_dtype), ("D", head_dim), ("QR", qr), ("TS", cfg.tile), ("CMIN", cfg.min_chunk)]
     return DecodePlan(
         partial_template=partial_template,
@@ -893,12 +864,6 @@ def _partial_cases(rng: np.random.Generator):
                       np.arange(552, 555), None, 555, default_config(512, "metal")),
         _partial_case(rng, "bfloat16", "bfloat16", 1, 4, 2, 8, 256, _ring(300, 1000, 1299, empty=(7,)),
                       np.arange(1292, 1300), 200, 300, default_config(256, "metal")),
-        # values batches of 8 and 16 slots (VB > 4): a ring with empty and past-window slots, and a
-        # full layer with idle partitions and a partial last tile
-        _partial_case(rng, "bfloat16", "bfloat16", 1, 4, 2, 2, 256, _ring(40, 60, 99, empty=(3, 17)), [98, 99], 30,
-                      40, c(rows=8, simd_groups=4, tile=16, min_chunk=16, target_groups=4, values_batch=8)),
-        _partial_case(rng, "float32", "bfloat16", 1, 8, 1, 1, 512, np.arange(48), [36], None, 37,
-                      c(rows=8, simd_groups=4, tile=16, min_chunk=16, target_groups=8, values_batch=16)),
     ]  # fmt: skip
 
 

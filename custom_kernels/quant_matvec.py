@@ -1164,7 +1164,7 @@ _STREAM_STORE = {
 
 
 GATE_UP_M1_GEOMETRY_ENV = "GEMMA4_MLX_GATE_UP_GEOMETRY"
-"""StreamConfig fields for the gate/up stream kernel at M = 1, e.g. "warps=8,stages=6" (tuning)."""
+"""StreamConfig fields for the gate/up stream kernel at M = 1, e.g. "warps=8,stages=2" (tuning)."""
 
 
 @dataclass(frozen=True)

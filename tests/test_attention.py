@@ -332,12 +332,12 @@ def test_kernels_registered_for_emulator_and_compile_tests():
 def test_geometry_override(monkeypatch):
     """GEMMA4_MLX_ATTENTION_GEOMETRY replaces default_config's fields; bad text fails clearly."""
     base = at.default_config(256, "cuda")
-    monkeypatch.setenv(at.GEOMETRY_ENV, "min_chunk=64, values_batch=16,target_groups=2048")
+    monkeypatch.setenv(at.GEOMETRY_ENV, "min_chunk=64, tile=16,target_groups=2048")
     cfg = at.default_config(256, "cuda")
-    assert (cfg.min_chunk, cfg.values_batch, cfg.target_groups) == (64, 16, 2048)
-    assert (cfg.rows, cfg.tile, cfg.simd_groups) == (base.rows, base.tile, base.simd_groups)
+    assert (cfg.min_chunk, cfg.tile, cfg.target_groups) == (64, 16, 2048)
+    assert (cfg.rows, cfg.simd_groups) == (base.rows, base.simd_groups)
     for bad, match in (("chunk=64", "NAME=INTEGER"), ("min_chunk=x", "NAME=INTEGER"),
-                       ("values_batch=12", "values_batch must be"), ("min_chunk=40", "multiple of tile")):
+                       ("simd_groups=3", "simd_groups must be"), ("min_chunk=40", "multiple of tile")):
         monkeypatch.setenv(at.GEOMETRY_ENV, bad)
         with pytest.raises(ValueError, match=match):
             at.default_config(256, "cuda")

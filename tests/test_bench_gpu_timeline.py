@@ -83,10 +83,10 @@ def test_stages_split_one_step():
 def test_variant_parsing():
     import gpu_timeline as gt
 
-    name, env = gt.parse_variant("vb16=GEMMA4_MLX_ATTENTION_GEOMETRY=min_chunk=64,values_batch=16 "
+    name, env = gt.parse_variant("c64=GEMMA4_MLX_ATTENTION_GEOMETRY=min_chunk=64,target_groups=2048 "
                                  "GEMMA4_MLX_MATVEC_GEOMETRY=rows_per_simd=1")
-    assert name == "vb16"
-    assert env == {"GEMMA4_MLX_ATTENTION_GEOMETRY": "min_chunk=64,values_batch=16",
+    assert name == "c64"
+    assert env == {"GEMMA4_MLX_ATTENTION_GEOMETRY": "min_chunk=64,target_groups=2048",
                    "GEMMA4_MLX_MATVEC_GEOMETRY": "rows_per_simd=1"}
     for bad in ("novalue", "x=", "=A=1", "x=A"):
         with pytest.raises(SystemExit):
