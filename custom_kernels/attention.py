@@ -402,8 +402,19 @@ _PARTIAL_BODY = r"""
 
 # Template arguments of the merge kernel: T (output dtype), D, QR (= G * M), TS, CMIN (as in the
 # partial kernel). Grid: x = D/4 threads x (B * n_q * M) output rows; threadgroup D/4.
+# The partitions are independent loads: the threads find the top score together, then take the
+# partitions NT at a time (thread t computes partition p0 + t's weight into threadgroup memory)
+# and every thread adds its 4 elements of the batch's partials in ascending order, 8 loads in
+# flight. Every partition below the active count was written by the partial kernel (a fully
+# masked one with m = -inf, l = 0 and zero partials: weight 0).
 _MERGE_BODY = r"""
   // gemma4-mlx attn_decode_merge: partitions merged in ascending order, normalized, cast
+  constexpr int NT = D / 4;             // threads: elements 4t .. 4t+3 of the row each
+  constexpr int NSG = (NT + 31) / 32;
+  constexpr int LB = 8;                 // partial rows loaded before they are added
+  $shared float w_s[NT];                // weights of the current batch of partitions
+  $shared float lw_s[NT];               // their weighted softmax denominators
+  $shared float top_s[NSG];
   const float NEG_INF = g4_as_float(0xff800000u);
   const int row = $tg_x;  // (b * n_kv + kv head) * QR + r = (b * n_q + head) * M + m
   const int bh = row / QR;
@@ -416,24 +427,53 @@ _MERGE_BODY = r"""
   nactive = nactive < nparts ? nactive : nparts;
   const size_t base = (size_t)bh * nparts * QR + r;  // partition p: base + p * QR
   float top = NEG_INF;
-  for (int p = 0; p < nactive; ++p) {
+  for (int p = t; p < nactive; p += NT) {
     const float mp = ml[(base + (size_t)p * QR) * 2];
     top = mp > top ? mp : top;
   }
+  top = g4_simd_max(top);
+  if ($lane == 0) top_s[$simd] = top;
+  $barrier;
+  top = top_s[0];
+  $unroll for (int i = 1; i < NSG; ++i) top = top_s[i] > top ? top_s[i] : top;
   float total = 0.0f;
   float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  if (top > NEG_INF) {
-    for (int p = 0; p < nactive; ++p) {
-      const size_t i = base + (size_t)p * QR;
-      const float mp = ml[i * 2];
-      if (mp > NEG_INF) {
-        const float w = g4_attn_exp(mp - top);
-        total += w * ml[i * 2 + 1];
-        float x[4];
-        g4_load4(pacc + i * D + 4 * t, x);
-        $unroll for (int e = 0; e < 4; ++e) a[e] += w * x[e];
+  for (int p0 = 0; p0 < nactive; p0 += NT) {
+    {
+      const int p = p0 + t;
+      float w = 0.0f;
+      float l = 0.0f;
+      if (p < nactive && top > NEG_INF) {
+        const size_t i = base + (size_t)p * QR;
+        const float mp = ml[i * 2];
+        if (mp > NEG_INF) {
+          w = g4_attn_exp(mp - top);
+          l = ml[i * 2 + 1];
+        }
+      }
+      w_s[t] = w;
+      lw_s[t] = w * l;
+    }
+    $barrier;
+    const int nb = nactive - p0 < NT ? nactive - p0 : NT;
+    for (int j0 = 0; j0 < nb; j0 += LB) {
+      float x[LB][4];
+      $unroll for (int u = 0; u < LB; ++u) {
+        if (j0 + u < nb) {
+          g4_load4(pacc + (base + (size_t)(p0 + j0 + u) * QR) * D + 4 * t, x[u]);
+        } else {
+          $unroll for (int e = 0; e < 4; ++e) x[u][e] = 0.0f;
+        }
+      }
+      $unroll for (int u = 0; u < LB; ++u) {
+        if (j0 + u < nb) {
+          const float w = w_s[j0 + u];
+          total += lw_s[j0 + u];
+          $unroll for (int e = 0; e < 4; ++e) a[e] += w * x[u][e];
+        }
       }
     }
+    $barrier;  // the batch's weights are read before the next batch writes them
   }
   $unroll for (int e = 0; e < 4; ++e) {
     out[(size_t)row * D + 4 * t + e] = static_cast<T>(total > 0.0f ? a[e] / total : 0.0f);
@@ -467,14 +507,16 @@ _SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024}  # static threadgroup me
 @dataclass(frozen=True)
 class AttentionConfig:
     """Geometry: ``rows`` query rows per threadgroup at most (QT), ``simd_groups`` (NSG),
-    ``tile`` slots per tile (TS), ``min_chunk`` slots per partition at least (CMIN), and
-    ``target_groups`` threadgroups to aim for at full length when choosing the partition count."""
+    ``tile`` slots per tile (TS), ``min_chunk`` slots per partition at least (CMIN),
+    ``target_groups`` threadgroups to aim for at full length when choosing the partition count,
+    and ``max_parts`` partitions at most (long caches then get longer partitions)."""
 
     rows: int = 16
     simd_groups: int = 4
     tile: int = 32
     min_chunk: int = 256
     target_groups: int = 512
+    max_parts: int = 4096
 
     def __post_init__(self):
         if not 1 <= self.rows <= 64:
@@ -487,6 +529,8 @@ class AttentionConfig:
             raise ValueError("min_chunk must be a positive multiple of tile")
         if self.target_groups < 1:
             raise ValueError("target_groups must be positive")
+        if self.max_parts < 1:
+            raise ValueError("max_parts must be positive")
 
 
 GEOMETRY_ENV = "GEMMA4_MLX_ATTENTION_GEOMETRY"
@@ -494,15 +538,19 @@ GEOMETRY_ENV = "GEMMA4_MLX_ATTENTION_GEOMETRY"
 
 
 def default_config(head_dim: int, which: str | None = None) -> AttentionConfig:
-    """Starting geometry per backend (to be tuned on the GPU): 4 SIMD groups; query rows in
-    threadgroup memory as f32 limited to 32 KB on CUDA (static shared memory < 48 KB) and 16 KB on
-    Metal (32 KB in all); partitions of at least 256 slots; about 512 (CUDA, 132 SMs) or 128
-    (Metal) threadgroups at full length. GEMMA4_MLX_ATTENTION_GEOMETRY overrides fields."""
+    """Geometry per backend: 4 SIMD groups; query rows in threadgroup memory as f32 limited to 32 KB
+    on CUDA (static shared memory < 48 KB) and 16 KB on Metal (32 KB in all). CUDA (measured on the
+    H200, bench/NOTES.md 2026-11-30): partitions of one 32-slot tile, up to 4096 threadgroups and
+    at most 128 partitions, since each threadgroup walks its tiles one after another and the GPU
+    must hold thousands of them to keep HBM busy. Metal (not measured): partitions of at least 256
+    slots, about 128 threadgroups. GEMMA4_MLX_ATTENTION_GEOMETRY overrides fields."""
     which = which or backend()
     budget = 16 * 1024 if which == "metal" else 32 * 1024
     rows = max(1, min(32, budget // (4 * head_dim)))
-    target = 128 if which == "metal" else 512
-    cfg = AttentionConfig(rows=rows, simd_groups=4, tile=32, min_chunk=256, target_groups=target)
+    if which == "metal":
+        cfg = AttentionConfig(rows=rows, simd_groups=4, tile=32, min_chunk=256, target_groups=128)
+    else:
+        cfg = AttentionConfig(rows=rows, simd_groups=4, tile=32, min_chunk=32, target_groups=4096, max_parts=128)
     return geometry_override(cfg, GEOMETRY_ENV)
 
 
@@ -555,7 +603,7 @@ def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: i
         raise ValueError(f"{shared} bytes of threadgroup memory exceed {which}'s {_SHARED_LIMIT[which]}")
     tiles = -(-qr // qt)
     bh = batch * n_kv
-    parts = max(1, min(-(-slots // cfg.min_chunk), -(-cfg.target_groups // (bh * tiles))))
+    parts = max(1, min(-(-slots // cfg.min_chunk), -(-cfg.target_groups // (bh * tiles)), cfg.max_parts))
     partial_template = [("T", q_dtype), ("KT", kv_dtype), ("D", head_dim), ("G", g), ("M", m),
                         ("WIN", int(window or 0)), ("QT", qt), ("TS", cfg.tile), ("NSG", cfg.simd_groups),
                         ("CMIN", cfg.min_chunk)]  # fmt: skip
@@ -879,6 +927,13 @@ def _merge_cases(rng: np.random.Generator):
                     c(rows=8, simd_groups=1, tile=8, min_chunk=8, target_groups=3)),
         _merge_case(rng, "bfloat16", 1, 16, 1, 3, 512, np.where(np.arange(600) < 555, np.arange(600), -1),
                     np.arange(552, 555), None, 555, default_config(512, "metal")),
+        # more partitions than merge threads: 37 of 38 active in batches of 32 + 5 (D = 128)
+        _merge_case(rng, "float32", 1, 2, 1, 1, 128, np.arange(300), [289], None, 290,
+                    c(rows=8, simd_groups=1, tile=8, min_chunk=8, target_groups=64)),
+        # a 600-slot ring with a window of 100 over slots 500..599: partitions 0..61 fully masked,
+        # batches of 64 + 11 (D = 256), M = 2
+        _merge_case(rng, "bfloat16", 1, 4, 2, 2, 256, _ring(600, 1200, 1799), [1798, 1799], 100, 600,
+                    c(rows=16, simd_groups=2, tile=8, min_chunk=8, target_groups=256)),
     ]  # fmt: skip
 
 

@@ -1227,13 +1227,18 @@ def _stream_def(kind: str) -> _KernelDef:
 
 def default_stream_config(kind: str, m: int, n: int, k: int, pairs: int = 1, slots: int = 8) -> StreamConfig:
     """One 16-row tile per warp, 4 warps, 4 stages (a starting point; bench/kernels.py --focus);
-    down_sum: a warp per slot (up to 8), 2 stages (static shared memory). GEMMA4_MLX_GATE_UP_GEOMETRY
-    overrides the gate/up kernel's at M = 1 (a dense FFN's fused gate|up, or a token's experts)."""
+    a dense FFN's fused gate|up at M = 1 (one "expert"): 8 warps, 2 stages (in the 31B decode step on
+    the H200, 0.1-0.24 ms less GPU time per 12 layers than 4 warps, 4 stages; bench/NOTES.md
+    2026-11-30; MoE experts keep 4 x 4, not measured there); down_sum: a warp per slot
+    (up to 8), 2 stages (static shared memory). GEMMA4_MLX_GATE_UP_GEOMETRY overrides the gate/up
+    kernel's at M = 1 (a dense FFN's fused gate|up, or a token's experts)."""
     if kind == "down_sum":
         warps = 1 << max(0, math.ceil(math.log2(max(1, min(slots, 8)))))
         return StreamConfig(1, warps, 2)
-    cfg = StreamConfig(1, 4, 4)
-    return geometry_override(cfg, GATE_UP_M1_GEOMETRY_ENV) if kind == "gate_up" and m == 1 else cfg
+    if kind == "gate_up" and m == 1:
+        cfg = StreamConfig(1, 8, 2) if pairs == 1 else StreamConfig(1, 4, 4)
+        return geometry_override(cfg, GATE_UP_M1_GEOMETRY_ENV)
+    return StreamConfig(1, 4, 4)
 
 
 def stream_supported(x_dtype: mx.Dtype, k: int) -> bool:

@@ -103,6 +103,7 @@ def test_kernel_matches_oracle(name, n_q, n_kv, D, layout, dtype):
     at.AttentionConfig(rows=8, simd_groups=4, tile=32, min_chunk=256, target_groups=512),
     at.AttentionConfig(rows=16, simd_groups=8, tile=64, min_chunk=128, target_groups=1024),
     at.AttentionConfig(rows=4, simd_groups=4, tile=8, min_chunk=64, target_groups=64),
+    at.AttentionConfig(rows=16, simd_groups=4, tile=32, min_chunk=32, target_groups=8192, max_parts=512),
 ])  # fmt: skip
 def test_geometries(config):
     """Other geometries: query tiles (several per kv head), tiles, partition sizes; D = 512 and 256."""

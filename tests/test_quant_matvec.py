@@ -167,7 +167,7 @@ def test_stream_plans_and_copy_width():
     assert not qm.stream_supported(mx.bfloat16, 96)  # 3 blocks per row: 54 bytes, 2-byte aligned only
     for kind, n, k in (("dense", 21504, 5376), ("gather", 2816, 704), ("gate_up", 704, 2816), ("down_sum", 2816, 704)):
         plan = qm.plan_stream(kind, 1, n, k, 8, kind != "dense")
-        cfg = qm.default_stream_config(kind, 1, n, k)
+        cfg = qm.default_stream_config(kind, 1, n, k, {"dense": 1, "down_sum": 1}.get(kind, 8))
         per_block = {"gate_up": 8 * cfg.tiles * cfg.warps, "down_sum": 16 * cfg.tiles}.get(kind, 16 * cfg.tiles * cfg.warps)
         assert plan.threadgroup == (32 * cfg.warps, 1, 1) and plan.grid[0] // plan.threadgroup[0] * per_block >= n
         assert plan.grid[1] == {"dense": 1, "down_sum": 1}.get(kind, 8)
@@ -339,6 +339,16 @@ def test_dense_m1_geometry_override(monkeypatch):
     monkeypatch.setenv(qm.DENSE_M1_GEOMETRY_ENV, "lanes_per_block=3")
     with pytest.raises(ValueError, match="lanes_per_block must be"):
         qm.default_config(qm.Q4_0, "dense", 1, 5376, 21504, which="cuda")
+
+
+def test_gate_up_m1_defaults():
+    """A dense FFN's fused gate|up (one expert) at M = 1: 8 warps, 2 stages; a token's 8 experts and
+    M >= 2 keep 4 warps, 4 stages."""
+    one = qm.default_stream_config("gate_up", 1, 21504, 5376, pairs=1)
+    assert (one.warps, one.stages) == (8, 2) and one.shared_bytes() <= 48 * 1024
+    assert qm.plan_stream("gate_up", 1, 21504, 5376, 1).threadgroup == (256, 1, 1)
+    assert (qm.default_stream_config("gate_up", 1, 704, 2816, pairs=8).warps,
+            qm.default_stream_config("gate_up", 2, 21504, 5376, pairs=2).warps) == (4, 4)  # fmt: skip
 
 
 def test_gate_up_m1_geometry_override(monkeypatch):

@@ -1,0 +1,92 @@
+"""One launch of each decode-step kernel worth a Nsight Compute look, at real 31B shapes.
+
+Each kernel is launched once per named target on fresh random weights, so a profiler that
+filters on kernel names sees exactly one launch per target and no warm-up noise:
+
+    ncu --clock-control none --set full -k regex:g4_ -o $OUT/step python3 bench/ncu_targets.py
+    ncu --import $OUT/step.ncu-rep --page details > $OUT/step.txt
+
+Targets (--targets, comma-separated; default all): fma (Q4_0 dense M = 1 on the FFN gate shape at
+the dispatch geometry), gate_up
+(the fused gate|up stream kernel at M = 1, the step's FFN input projection), head (Q8_0 tied head),
+probe (bench/kernels.read_probe in its 99.5% order over the gate's bytes), attn_sliding / attn_full
+(decode attention partial + merge at a 4K context).
+"""
+
+from __future__ import annotations
+
+import gemma4_mlx  # noqa: F401,I001  first: the BLAS preload must come before mlx.core is imported
+
+import argparse
+import os
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import attention as attention_bench  # noqa: E402  (bench/attention.py)
+import decode  # noqa: E402  (bench/decode.py)
+import kernels  # noqa: E402  (bench/kernels.py)
+from custom_kernels import attention as at  # noqa: E402
+from custom_kernels import quant_matvec as qm  # noqa: E402
+
+HIDDEN, FFN, VOCAB = 5376, 21504, 262144  # 31B
+
+
+def _blocks(ggml_type: int, shape: tuple[int, ...], k: int) -> mx.array:
+    return kernels.random_blocks(ggml_type, shape, k)
+
+
+def _fma(x):
+    return qm.launch_dense(x, _blocks(qm.Q4_0, (FFN,), HIDDEN), qm.Q4_0, FFN)
+
+
+def _gate_up(x):
+    w = _blocks(qm.Q4_0, (1, 2 * FFN), HIDDEN)
+    return qm.launch_gate_up_stream(x, mx.zeros((1, 1), mx.int32), w, FFN)
+
+
+def _head(x):
+    return qm.launch_dense(x, _blocks(qm.Q8_0, (VOCAB,), HIDDEN), qm.Q8_0, VOCAB)
+
+
+def _probe(x):
+    w = _blocks(qm.Q4_0, (FFN,), HIDDEN)
+    return kernels.read_probe(w, order=1)
+
+
+def _attention(kind: str):
+    def run(x):
+        spec = attention_bench.layer_shapes(decode.preset("31B"))[kind]
+        c = attention_bench.case(spec, 4096, 1, quick=False)
+        k, v = c["kvs"][0]
+        return at.launch_decode_attention(c["q"], k, v, c["positions"], c["q_pos"], c["window"],
+                                          None if c["window"] else c["valid"])  # fmt: skip
+
+    return run
+
+
+TARGETS = {"fma": _fma, "gate_up": _gate_up, "head": _head,
+           "probe": _probe, "attn_sliding": _attention("sliding"), "attn_full": _attention("full")}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--targets", default=",".join(TARGETS))
+    args = ap.parse_args(argv)
+    names = args.targets.split(",")
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        raise SystemExit(f"unknown targets {unknown}; choose from {', '.join(TARGETS)}")
+    x = mx.array(np.random.default_rng(0).standard_normal((1, HIDDEN)).astype(np.float32)).astype(mx.bfloat16)
+    mx.eval(x)
+    for name in names:
+        out = TARGETS[name](x)
+        mx.eval(out)
+        print(f"{name}: {out.shape} {out.dtype}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
