@@ -541,7 +541,7 @@ def default_config(head_dim: int, which: str | None = None) -> AttentionConfig:
     """Geometry per backend: 4 SIMD groups; query rows in threadgroup memory as f32 limited to 32 KB
     on CUDA (static shared memory < 48 KB) and 16 KB on Metal (32 KB in all). CUDA (measured on the
     H200, bench/NOTES.md 2026-11-30): partitions of one 32-slot tile, up to 4096 threadgroups and
-    at most 128 partitions, since each threadgroup walks its tiles one after another and the GPU
+    at most 512 partitions, since each threadgroup walks its tiles one after another and the GPU
     must hold thousands of them to keep HBM busy. Metal (not measured): partitions of at least 256
     slots, about 128 threadgroups. GEMMA4_MLX_ATTENTION_GEOMETRY overrides fields."""
     which = which or backend()
@@ -550,7 +550,7 @@ def default_config(head_dim: int, which: str | None = None) -> AttentionConfig:
     if which == "metal":
         cfg = AttentionConfig(rows=rows, simd_groups=4, tile=32, min_chunk=256, target_groups=128)
     else:
-        cfg = AttentionConfig(rows=rows, simd_groups=4, tile=32, min_chunk=32, target_groups=4096, max_parts=128)
+        cfg = AttentionConfig(rows=rows, simd_groups=4, tile=32, min_chunk=32, target_groups=4096, max_parts=512)
     return geometry_override(cfg, GEOMETRY_ENV)
 
 

@@ -303,18 +303,18 @@ def test_plans_for_gemma4_shapes(which):
                 assert qt * plan.partial_grid[2] >= G * M and plan.partial_grid[0] == 128 * n_kv
                 assert 1 <= plan.parts <= min(-(-S // cfg.min_chunk), cfg.max_parts)
                 assert plan.merge_grid[0] == D // 4 * n_kv * G * M
-    assert at.plan_decode(1, 32, 4, 1, 262144, 512, "bfloat16", "bfloat16", None, None, "cuda").parts == 128
+    assert at.plan_decode(1, 32, 4, 1, 262144, 512, "bfloat16", "bfloat16", None, None, "cuda").parts == 512
 
 
 def test_cuda_partitions_fill_the_gpu_and_stay_bounded():
     """CUDA plans (31B shapes): a sliding ring of 1056 slots splits into 33 one-tile partitions
-    (528 threadgroups over 16 kv heads); full layers take one-tile partitions up to 128 of them, and
+    (528 threadgroups over 16 kv heads); full layers take one-tile partitions up to 512 of them, and
     longer caches longer partitions instead of more."""
     sliding = at.plan_decode(1, 32, 16, 1, 1056, 256, "bfloat16", "bfloat16", 1024, None, "cuda")
     assert sliding.parts == 33 and sliding.partial_grid[0] // 128 * sliding.parts == 528
-    for slots, parts in ((1024, 32), (4352, 128), (33024, 128), (262144, 128)):
+    for slots, parts in ((1024, 32), (4352, 136), (33024, 512), (262144, 512)):
         assert at.plan_decode(1, 32, 4, 1, slots, 512, "bfloat16", "bfloat16", None, None, "cuda").parts == parts
-    assert at.partition_layout(33024, 128, 32, 32) == (288, 115)
+    assert at.partition_layout(32800, 512, 32, 32) == (96, 342)
     with pytest.raises(ValueError, match="max_parts"):
         at.AttentionConfig(max_parts=0)
 
