@@ -713,65 +713,38 @@ def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: i
     g = n_q // n_kv
     qr = g * m
     bh = batch * n_kv
-    merge_template = [("T", q_dtype), ("D", head_dim), ("QR", qr), ("TS", cfg.tile), ("CMIN", cfg.min_chunk)]
-    if cfg.simd_rows:
-        return _plan_simd(cfg, batch, n_q, m, slots, head_dim, q_dtype, kv_dtype, window, g, qr, bh, merge_template)
-    qt = min(cfg.rows, qr)
-    nt = 32 * cfg.simd_groups
     dv = head_dim // 4
-    if nt < dv or nt % dv:
-        raise ValueError(f"{nt} threads cannot cover head dim {head_dim} in 4-element vectors "
-                         f"(need a multiple of {dv})")  # fmt: skip
-    shared = 4 * (qt * head_dim + qt * cfg.tile + qt + cfg.tile)
-    if shared > _SHARED_LIMIT[which]:
-        raise ValueError(f"{shared} bytes of threadgroup memory exceed {which}'s {_SHARED_LIMIT[which]}")
-    tiles = -(-qr // qt)
-    parts = _parts(cfg, slots, bh * tiles)
-    partial_template = [("T", q_dtype), ("KT", kv_dtype), ("D", head_dim), ("G", g), ("M", m),
-                        ("WIN", int(window or 0)), ("QT", qt), ("TS", cfg.tile), ("NSG", cfg.simd_groups),
-                        ("CMIN", cfg.min_chunk)]  # fmt: skip
+    common = [("T", q_dtype), ("KT", kv_dtype), ("D", head_dim), ("G", g), ("M", m), ("WIN", int(window or 0))]
+    if cfg.simd_rows:  # per-SIMD-group kernel: QTS rows per SIMD group, z-groups of NSG SIMD groups
+        qts = min(cfg.simd_rows, qr)
+        nsg = min(cfg.simd_groups, -(-qr // qts))  # no SIMD group without rows
+        kernel, nt, zs, shared = "simd", 32 * nsg, -(-qr // (qts * nsg)), 0
+        template = common + [("QTS", qts), ("NSG", nsg), ("U", cfg.slots_batch), ("TS", cfg.tile),
+                             ("CMIN", cfg.min_chunk)]  # fmt: skip
+    else:  # tiled kernel: query tiles of QT rows, NSG SIMD groups sharing each K/V tile
+        qt = min(cfg.rows, qr)
+        kernel, nt, zs = "tiled", 32 * cfg.simd_groups, -(-qr // qt)
+        if nt < dv or nt % dv:
+            raise ValueError(f"{nt} threads cannot cover head dim {head_dim} in 4-element vectors "
+                             f"(need a multiple of {dv})")  # fmt: skip
+        shared = 4 * (qt * head_dim + qt * cfg.tile + qt + cfg.tile)
+        if shared > _SHARED_LIMIT[which]:
+            raise ValueError(f"{shared} bytes of threadgroup memory exceed {which}'s {_SHARED_LIMIT[which]}")
+        template = common + [("QT", qt), ("TS", cfg.tile), ("NSG", cfg.simd_groups), ("CMIN", cfg.min_chunk)]
+    # partitions: enough to reach target_groups threadgroups, within [1, slots / min_chunk], <= max_parts
+    parts = max(1, min(-(-slots // cfg.min_chunk), -(-cfg.target_groups // (bh * zs)), cfg.max_parts))
     return DecodePlan(
-        partial_kernel="tiled",
-        partial_template=partial_template,
-        partial_grid=(nt * bh, parts, tiles),
+        partial_kernel=kernel,
+        partial_template=template,
+        partial_grid=(nt * bh, parts, zs),
         partial_threadgroup=(nt, 1, 1),
         partial_shapes=[(bh, parts, qr, 2), (bh, parts, qr, head_dim)],
-        merge_template=merge_template,
+        merge_template=[("T", q_dtype), ("D", head_dim), ("QR", qr), ("TS", cfg.tile), ("CMIN", cfg.min_chunk)],
         merge_grid=(dv * bh * qr, 1, 1),
         merge_threadgroup=(dv, 1, 1),
         out_shape=(batch, n_q, m, head_dim),
         parts=parts,
         shared_bytes=shared,
-    )
-
-
-def _parts(cfg: AttentionConfig, slots: int, groups_per_part: int) -> int:
-    """Partitions: as many as reach cfg.target_groups threadgroups, within [1, slots / min_chunk]
-    and at most cfg.max_parts."""
-    return max(1, min(-(-slots // cfg.min_chunk), -(-cfg.target_groups // groups_per_part), cfg.max_parts))
-
-
-def _plan_simd(cfg, batch, n_q, m, slots, head_dim, q_dtype, kv_dtype, window, g, qr, bh, merge_template):
-    qts = min(cfg.simd_rows, qr)
-    nsg = min(cfg.simd_groups, -(-qr // qts))  # no SIMD group without rows
-    zs = -(-qr // (qts * nsg))
-    parts = _parts(cfg, slots, bh * zs)
-    partial_template = [("T", q_dtype), ("KT", kv_dtype), ("D", head_dim), ("G", g), ("M", m),
-                        ("WIN", int(window or 0)), ("QTS", qts), ("NSG", nsg), ("U", cfg.slots_batch),
-                        ("TS", cfg.tile), ("CMIN", cfg.min_chunk)]  # fmt: skip
-    dv = head_dim // 4
-    return DecodePlan(
-        partial_kernel="simd",
-        partial_template=partial_template,
-        partial_grid=(32 * nsg * bh, parts, zs),
-        partial_threadgroup=(32 * nsg, 1, 1),
-        partial_shapes=[(bh, parts, qr, 2), (bh, parts, qr, head_dim)],
-        merge_template=merge_template,
-        merge_grid=(dv * bh * qr, 1, 1),
-        merge_threadgroup=(dv, 1, 1),
-        out_shape=(batch, n_q, m, head_dim),
-        parts=parts,
-        shared_bytes=0,
     )
 
 
