@@ -42,7 +42,9 @@ Kernel design (one body for Metal and CUDA through ``custom_kernels.dialect``):
    the rescale factor exp(m_old - m_new); (c) values: each thread owns 4 output elements of some
    rows, rescales them and adds p * v for the tile's slots, reading each V row once. Slots that no
    query row may attend (empty ring slots, positions past the query, outside the window, past
-   n_slots) are never read, so stale or poisoned cache contents cannot leak in. Each partition
+   n_slots) are never read, so stale or poisoned cache contents cannot leak in; the test is made
+   against the span of the rows' positions (consecutive in decode and verification), so with gaps
+   between q positions a slot in a gap that no row attends may still be read. Each partition
    writes its unnormalized state (m, l) [BH, P, QR, 2] and acc [BH, P, QR, D] in f32.
 2. ``g4_attn_decode_merge``: one threadgroup per output row merges the partitions in ascending
    order (global max first, then sum of exp(m_p - max) * (l_p, acc_p)), divides, and writes q's
@@ -409,7 +411,8 @@ _PARTIAL_BODY = r"""
 # elements l*E .. l*E+E-1 (E = D/32) of its query rows, of the U key and value rows in flight and
 # of its output rows; a score is one SIMD sum; the online softmax runs per batch of U slots. The
 # SIMD groups of a threadgroup read the same K/V rows (other query rows of the kv head) close in
-# time, so the repeats are served by L1. Slots no row may attend are never read.
+# time, so the repeats are served by L1. Slots none of the SIMD group's rows may attend are never
+# read (tested row by row, so gaps between q positions are safe here).
 _SIMD_BODY = r"""
   // gemma4-mlx attn_decode_simd: decode attention over one sequence partition, one SIMD group per QTS rows
   constexpr int QR = G * M;
@@ -430,13 +433,9 @@ _SIMD_BODY = r"""
 
   float qv[QTS][E];
   int qp[QTS];
-  int qmin = 0x7fffffff;
-  int qmax = -1;
   $unroll for (int i = 0; i < QTS; ++i) {
     const int r = r0 + i < QR ? r0 + i : r0;  // rows past QR repeat row r0 and are not written
     qp[i] = qpos[r % M];
-    qmin = qp[i] < qmin ? qp[i] : qmin;
-    qmax = qp[i] > qmax ? qp[i] : qmax;
     const $device T* qr = q + ((size_t)bh * QR + r) * D + lane * E;
     $unroll for (int j = 0; j < E; j += 4) g4_load4(qr + j, &qv[i][j]);
   }
@@ -456,7 +455,10 @@ _SIMD_BODY = r"""
     bool any[U];
     $unroll for (int u = 0; u < U; ++u) {
       pos[u] = s0 + u < end ? kpos[s0 + u] : -1;
-      any[u] = pos[u] >= 0 && pos[u] <= qmax && (WIN == 0 || qmin - pos[u] < WIN);
+      any[u] = false;
+      $unroll for (int i = 0; i < QTS; ++i) {
+        any[u] = any[u] || (pos[u] >= 0 && pos[u] <= qp[i] && (WIN == 0 || qp[i] - pos[u] < WIN));
+      }
     }
     float kr[U][E];
     float vr[U][E];
@@ -1055,6 +1057,9 @@ def _simd_cases(rng: np.random.Generator):
         _partial_case(rng, "float32", "float32", 2, 8, 1, 2, 256, _ring(13, 30, 42, empty=(5,), future=(7,)),
                       [41, 42], 5, 13, c(simd_rows=3, simd_groups=2, tile=8, min_chunk=8, target_groups=8,
                                          slots_batch=2)),
+        # q positions with a gap (20 and 60, window 4): the slots between are attended by no row
+        _partial_case(rng, "float32", "float32", 1, 1, 1, 2, 128, np.arange(64), [20, 60], 4, 64,
+                      c(simd_rows=2, simd_groups=1, tile=8, min_chunk=8, target_groups=1, slots_batch=4)),
         # D = 128, one partition of 40 slots in batches of 16 (a 8-slot tail), a wrapped ring, M = 8
         _partial_case(rng, "bfloat16", "bfloat16", 1, 4, 2, 8, 128, _ring(40, 100, 139, empty=(7,)),
                       np.arange(132, 140), 30, 40, c(simd_rows=4, simd_groups=4, tile=8, min_chunk=40,
