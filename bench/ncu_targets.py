@@ -7,7 +7,7 @@ filters on kernel names sees exactly one launch per target and no warm-up noise:
     ncu --import $OUT/step.ncu-rep --page details > $OUT/step.txt
 
 Targets (--targets, comma-separated; default all): fma (Q4_0 dense M = 1 on the FFN gate shape at
-the dispatch geometry), gate_up
+the dispatch geometry), fma_in_place (the same with the in-place decode), gate_up
 (the fused gate|up stream kernel at M = 1, the step's FFN input projection), head (Q8_0 tied head),
 probe (bench/kernels.read_probe in its 99.5% order over the gate's bytes), attn_sliding / attn_full
 (decode attention partial + merge at a 4K context).
@@ -18,6 +18,7 @@ from __future__ import annotations
 import gemma4_mlx  # noqa: F401,I001  first: the BLAS preload must come before mlx.core is imported
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -40,6 +41,11 @@ def _blocks(ggml_type: int, shape: tuple[int, ...], k: int) -> mx.array:
 
 def _fma(x):
     return qm.launch_dense(x, _blocks(qm.Q4_0, (FFN,), HIDDEN), qm.Q4_0, FFN)
+
+
+def _fma_in_place(x):
+    cfg = dataclasses.replace(qm.default_config(qm.Q4_0, "dense", 1, FFN, HIDDEN), in_place=1)
+    return qm.launch_dense(x, _blocks(qm.Q4_0, (FFN,), HIDDEN), qm.Q4_0, FFN, config=cfg)
 
 
 def _gate_up(x):
@@ -67,7 +73,7 @@ def _attention(kind: str):
     return run
 
 
-TARGETS = {"fma": _fma, "gate_up": _gate_up, "head": _head,
+TARGETS = {"fma": _fma, "fma_in_place": _fma_in_place, "gate_up": _gate_up, "head": _head,
            "probe": _probe, "attn_sliding": _attention("sliding"), "attn_full": _attention("full")}  # fmt: skip
 
 

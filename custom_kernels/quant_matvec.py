@@ -448,6 +448,89 @@ _DECODE_Q8_0 = """
           }
         }"""
 
+# In-place decode (opt-in: KernelConfig.in_place; kernels g4_q4_0_matvec_inplace / g4_q8_0_...):
+# each 4-bit (8-bit) field of a 16-bit word becomes a float where it sits, with one AND and one OR
+# (XOR for Q8_0's sign) against a magic exponent word: field p of the word is worth 16^p (256^p),
+# so the f32 value minus a constant is exactly 16^p (q - 8) (256^p q). Products are summed per
+# position and the sums scaled back by exact powers of two at the end of the block: three
+# instructions per weight (LOP3, FADD, FFMA) where the shift-and-mask decode compiles to ~5, with
+# the same f32 rounding per product. The magic words are built from a value the compiler cannot
+# fold, so they live in registers and each AND+OR is one LOP3.
+_LOOP_32_IN_PLACE = """
+  constexpr int WPL = 32 / LPB;  // weights per lane per block
+  constexpr int BPI = 32 / LPB;  // blocks per SIMD-group iteration
+  const int lane = $lane;
+  const int part = lane % LPB;
+  const int nblocks = K / 32;
+  const uint32_t zero = (uint32_t)K >> 31;  // 0 (K >= 0), unknown at compile time
+@MAGIC@
+  float acc[RT][MX];
+  $unroll for (int i = 0; i < RT; ++i) { $unroll for (int m = 0; m < MX; ++m) acc[i][m] = 0.0f; }
+  for (int b = lane / LPB; b < nblocks; b += BPI) {
+    float xv[MX][WPL];
+    $unroll for (int m = 0; m < MX; ++m) {
+@LOAD_X@
+    }
+    $unroll for (int i = 0; i < RT; ++i) {
+      if (wok[i]) {
+        const $device uint8_t* blk = wmat + (size_t)wrow[i] * row_bytes + (size_t)b * @BLOCK_BYTES@;
+        const float d = g4_half_bits(g4_u16(blk));
+@DOT@
+      }
+    }
+  }
+"""
+
+_MAGIC_Q4_0 = """
+  const uint32_t mq = 0x4B000000u | zero;"""
+
+# p[m][k]: products of the word's field k (weights j, 16 + j, j + 1, 17 + j), scaled by 16^k
+_DOT_Q4_0 = """
+        {
+          constexpr int QB = WPL / 2;
+          const $device uint8_t* qs = blk + 2 + part * QB;
+          float p[MX][4];
+          $unroll for (int m = 0; m < MX; ++m) { $unroll for (int k = 0; k < 4; ++k) p[m][k] = 0.0f; }
+          $unroll for (int j = 0; j < QB; j += 2) {
+            const uint32_t u = g4_u16(qs + j);
+            const float w0 = g4_as_float((u & 0x000Fu) | mq) - 8388616.0f;  // q - 8
+            const float w1 = g4_as_float((u & 0x00F0u) | mq) - 8388736.0f;  // 16 (q - 8)
+            const float w2 = g4_as_float((u & 0x0F00u) | mq) - 8390656.0f;  // 256 (q - 8)
+            const float w3 = g4_as_float((u & 0xF000u) | mq) - 8421376.0f;  // 4096 (q - 8)
+            $unroll for (int m = 0; m < MX; ++m) {
+              p[m][0] += w0 * xv[m][j];
+              p[m][1] += w1 * xv[m][QB + j];
+              p[m][2] += w2 * xv[m][j + 1];
+              p[m][3] += w3 * xv[m][QB + j + 1];
+            }
+          }
+          $unroll for (int m = 0; m < MX; ++m) {
+            acc[i][m] += d * (p[m][0] + 0.0625f * (p[m][1] + 0.0625f * (p[m][2] + 0.0625f * p[m][3])));
+          }
+        }"""
+
+_MAGIC_Q8_0 = """
+  const uint32_t m8lo = 0x4B000080u | zero;  // magic exponent, and the sign bit of byte 0 flipped
+  const uint32_t m8hi = 0x4B008000u | zero;  // ... of byte 1"""
+
+# p[m][k]: products of byte k of the word (weights j, j + 1), scaled by 256^k
+_DOT_Q8_0 = """
+        {
+          const $device uint8_t* qs = blk + 2 + part * WPL;
+          float p[MX][2];
+          $unroll for (int m = 0; m < MX; ++m) { p[m][0] = 0.0f; p[m][1] = 0.0f; }
+          $unroll for (int j = 0; j < WPL; j += 2) {
+            const uint32_t u = g4_u16(qs + j);
+            const float w0 = g4_as_float((u & 0x00FFu) ^ m8lo) - 8388736.0f;  // int8
+            const float w1 = g4_as_float((u & 0xFF00u) ^ m8hi) - 8421376.0f;  // 256 int8
+            $unroll for (int m = 0; m < MX; ++m) {
+              p[m][0] += w0 * xv[m][j];
+              p[m][1] += w1 * xv[m][j + 1];
+            }
+          }
+          $unroll for (int m = 0; m < MX; ++m) acc[i][m] += d * (p[m][0] + 0.00390625f * p[m][1]);
+        }"""
+
 # Q6_K: one super-block (256 weights) of all RT rows per SIMD-group iteration. Lane t covers the
 # 8 weights 128*h + 32*j + l0 + {0, 1} (h = t / 16, l0 = 2 * (t % 16), j = 0..3); xv[m][2j + c].
 _LOOP_Q6_K = """
@@ -537,12 +620,22 @@ class _KernelDef:
     text: dict  # {"metal": (header, source), "cuda": (header, source)}
 
 
-def _body(ggml_type: int, kind: str) -> str:
+def _body(ggml_type: int, kind: str, in_place: bool = False) -> str:
     setup = {"dense": _SETUP_DENSE, "gather": _SETUP_GATHER, "gate_up": _SETUP_GATE_UP}[kind]
     rows = _ROWS_GATE_UP if kind == "gate_up" else _ROWS_PLAIN
     mx_rows = "  constexpr int MX = M;\n" if kind == "dense" else "  constexpr int MX = 1;\n"
     if ggml_type == Q6_K:
         loop = _LOOP_Q6_K
+    elif in_place:
+        load_x, magic, dot = {Q4_0: (_LOAD_X_Q4_0, _MAGIC_Q4_0, _DOT_Q4_0), Q8_0: (_LOAD_X_Q8_0, _MAGIC_Q8_0, _DOT_Q8_0)}[
+            ggml_type
+        ]
+        loop = (
+            _LOOP_32_IN_PLACE.replace("@LOAD_X@", load_x.strip("\n"))
+            .replace("@MAGIC@", magic.strip("\n"))
+            .replace("@DOT@", dot.strip("\n"))
+            .replace("@BLOCK_BYTES@", str(_fmt(ggml_type).block_bytes))
+        )
     else:
         load_x, decode = {Q4_0: (_LOAD_X_Q4_0, _DECODE_Q4_0), Q8_0: (_LOAD_X_Q8_0, _DECODE_Q8_0)}[
             ggml_type
@@ -553,35 +646,35 @@ def _body(ggml_type: int, kind: str) -> str:
             .replace("@BLOCK_BYTES@", str(_fmt(ggml_type).block_bytes))
         )
     store = {"dense": _STORE_DENSE, "gather": _STORE_GATHER, "gate_up": _STORE_GATE_UP}[kind]
-    name = f"{_fmt(ggml_type).name}_{kind}"
+    name = f"{_fmt(ggml_type).name}_{kind}" + ("_inplace" if in_place else "")
     return f"  // gemma4-mlx {name}: fused dequantize x matvec on raw GGUF blocks\n" + (
         setup + rows + mx_rows + loop + store
     )
 
 
-def _make_def(ggml_type: int, kind: str) -> _KernelDef:
+def _make_def(ggml_type: int, kind: str, in_place: bool = False) -> _KernelDef:
     fmt = _fmt(ggml_type)
     name = {
         "dense": f"g4_{fmt.name}_matvec",
         "gather": f"g4_{fmt.name}_matvec_gather",
         "gate_up": f"g4_{fmt.name}_gate_up_gather",
-    }[kind]
+    }[kind] + ("_inplace" if in_place else "")
     inputs = ("x", "wq") if kind == "dense" else ("x", "ids", "wq")
     tmpl = ["T"]
     tmpl += ["M"] if kind == "dense" else []
     tmpl += ["R", "NSG"]
     tmpl += [] if ggml_type == Q6_K else ["LPB"]
     tmpl += ["XPP"] if kind == "gather" else []
-    return _KernelDef(name, kind, ggml_type, inputs, ("out",), tuple(tmpl), emit(_body(ggml_type, kind)))
+    return _KernelDef(name, kind, ggml_type, inputs, ("out",), tuple(tmpl), emit(_body(ggml_type, kind, in_place)))
 
 
-_KERNEL_DEFS: dict[tuple[int, str], _KernelDef] = {}
+_KERNEL_DEFS: dict[tuple, _KernelDef] = {}
 
 
-def _kernel_def(ggml_type: int, kind: str) -> _KernelDef:
-    key = (ggml_type, kind)
+def _kernel_def(ggml_type: int, kind: str, in_place: bool = False) -> _KernelDef:
+    key = (ggml_type, kind) + (("inplace",) if in_place else ())
     if key not in _KERNEL_DEFS:
-        _KERNEL_DEFS[key] = _make_def(ggml_type, kind)
+        _KERNEL_DEFS[key] = _make_def(ggml_type, kind, in_place)
     return _KERNEL_DEFS[key]
 
 
@@ -602,11 +695,13 @@ projections), e.g. "rows_per_simd=1,simd_groups=4,lanes_per_block=1" (tuning).""
 @dataclass(frozen=True)
 class KernelConfig:
     """Geometry of one launch: R rows per SIMD group, NSG SIMD groups per threadgroup, LPB lanes
-    per 32-weight block (ignored for Q6_K)."""
+    per 32-weight block (ignored for Q6_K); in_place = 1 runs the in-place decode variant of the
+    dense Q4_0 / Q8_0 kernel (opt-in, see _LOOP_32_IN_PLACE)."""
 
     rows_per_simd: int = 4
     simd_groups: int = 2
     lanes_per_block: int = 2
+    in_place: int = 0
 
     def __post_init__(self):
         if self.rows_per_simd < 1 or self.rows_per_simd > 8:
@@ -615,6 +710,8 @@ class KernelConfig:
             raise ValueError("simd_groups must be 1, 2, 4 or 8")
         if self.lanes_per_block not in (1, 2, 4):
             raise ValueError("lanes_per_block must be 1, 2 or 4")
+        if self.in_place not in (0, 1):
+            raise ValueError("in_place must be 0 or 1")
 
 
 def default_config(ggml_type: int, kind: str, m: int, n: int, k: int, pairs: int = 1,
@@ -652,6 +749,7 @@ class LaunchPlan:
     grid: tuple[int, int, int]
     threadgroup: tuple[int, int, int]
     output_shape: tuple[int, ...]
+    in_place: bool = False  # the dense kernel's in-place decode variant
 
 
 def plan_launch(ggml_type: int, kind: str, dtype_name: str, m: int, n: int, k: int,
@@ -662,6 +760,8 @@ def plan_launch(ggml_type: int, kind: str, dtype_name: str, m: int, n: int, k: i
     pairs = m * slots if kind != "dense" else 1
     cfg = config or default_config(ggml_type, kind, m, n, k, pairs)
     r, nsg, lpb = cfg.rows_per_simd, cfg.simd_groups, cfg.lanes_per_block
+    if cfg.in_place and (kind != "dense" or ggml_type == Q6_K):
+        raise ValueError("in_place decode exists for the dense Q4_0 / Q8_0 kernels only")
     template: list = [("T", dtype_name)]
     if kind == "dense":
         template.append(("M", m))
@@ -674,7 +774,7 @@ def plan_launch(ggml_type: int, kind: str, dtype_name: str, m: int, n: int, k: i
     threads = 32 * nsg
     grid = (groups * threads, pairs, 1)
     out_shape = (m, n) if kind == "dense" else (m, slots, n)
-    return LaunchPlan(template, grid, (threads, 1, 1), out_shape)
+    return LaunchPlan(template, grid, (threads, 1, 1), out_shape, bool(cfg.in_place))
 
 
 def _run(kdef: _KernelDef | KernelSource, inputs: Sequence[mx.array], plan: LaunchPlan, dtype: mx.Dtype,
@@ -698,7 +798,7 @@ def launch_dense(x2: mx.array, blocks: mx.array, ggml_type: int, n: int,
     """Run the dense kernel on x2 [M <= 8, K] (no fallback; GPU builds only) -> [M, N]."""
     m, k = x2.shape
     plan = plan_launch(ggml_type, "dense", dtype_name(x2.dtype), m, n, k, config=config)
-    return _run(_kernel_def(ggml_type, "dense"), [x2, blocks], plan, x2.dtype, init_value)
+    return _run(_kernel_def(ggml_type, "dense", plan.in_place), [x2, blocks], plan, x2.dtype, init_value)
 
 
 def launch_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, n: int,
@@ -1589,6 +1689,21 @@ def _cases(ggml_type: int, kind: str):
     return make
 
 
+def _in_place_cases(ggml_type: int):
+    """The in-place decode variant: every lanes-per-block split, M = 1..8, odd N, K tails."""
+
+    def make(rng: np.random.Generator):
+        c = KernelConfig
+        return [
+            _dense_case(rng, ggml_type, "float32", 1, 13, 96, c(2, 2, 2, in_place=1)),
+            _dense_case(rng, ggml_type, "bfloat16", 1, 21, 1056, c(4, 2, 1, in_place=1)),
+            _dense_case(rng, ggml_type, "float32", 5, 7, 160, c(3, 1, 4, in_place=1)),
+            _dense_case(rng, ggml_type, "bfloat16", 8, 9, 64, c(2, 2, 4, in_place=1)),
+        ]
+
+    return make
+
+
 def _mma_case(rng, m, n, k, config):
     from .registry import KernelCase
 
@@ -1680,4 +1795,9 @@ def kernel_specs():
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
         specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs,
                                 _cases(ggml_type, kind)))  # fmt: skip
+    for ggml_type in (Q4_0, Q8_0):
+        kdef = _kernel_def(ggml_type, "dense", in_place=True)
+        (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
+        specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs,
+                                _in_place_cases(ggml_type)))  # fmt: skip
     return specs

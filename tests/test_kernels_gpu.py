@@ -84,6 +84,24 @@ def test_dense_geometries(fmt, k):
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_dense_in_place_decode(fmt, dtype):
+    """The in-place decode variant (KernelConfig.in_place = 1) at several geometries, M = 1..8."""
+    ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0}[fmt]
+    rng = np.random.default_rng(16)
+    n, k = 1003, 5376
+    raw = qm.random_blocks(rng, ggml_type, (n,), k)
+    w64 = qm.dequantize_f64(raw, ggml_type)
+    blocks = mx.array(raw)
+    for m in (1, 3, 8):
+        x, x64 = _acts(rng, (m, k), dtype)
+        for cfg in (qm.KernelConfig(2, 2, 2, 1), qm.KernelConfig(4, 2, 2, 1), qm.KernelConfig(2, 2, 1, 1),
+                    qm.KernelConfig(2, 2, 4, 1)):  # fmt: skip
+            out = qm.launch_dense(x, blocks, ggml_type, n, config=cfg, init_value=NAN)
+            _check(out, x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, dtype, f"{fmt} in place M={m} {cfg}")
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("per_slot", [False, True])
 def test_gather_kernels(fmt, dtype, per_slot):
     ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0}[fmt]

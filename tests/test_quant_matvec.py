@@ -341,6 +341,18 @@ def test_dense_m1_geometry_override(monkeypatch):
         qm.default_config(qm.Q4_0, "dense", 1, 5376, 21504, which="cuda")
 
 
+def test_in_place_decode_plans(monkeypatch):
+    """in_place selects the dense in-place decode kernel (opt-in); other kinds and Q6_K refuse it."""
+    plan = qm.plan_launch(qm.Q4_0, "dense", "bfloat16", 1, 5376, 21504, config=qm.KernelConfig(2, 2, 2, 1))
+    assert plan.in_place and not qm.plan_launch(qm.Q4_0, "dense", "bfloat16", 1, 5376, 21504).in_place
+    assert qm._kernel_def(qm.Q8_0, "dense", True).name == "g4_q8_0_matvec_inplace"
+    for ggml_type, kind in ((qm.Q6_K, "dense"), (qm.Q4_0, "gather")):
+        with pytest.raises(ValueError, match="in_place"):
+            qm.plan_launch(ggml_type, kind, "bfloat16", 1, 64, 256, 8, config=qm.KernelConfig(in_place=1))
+    monkeypatch.setenv(qm.DENSE_M1_GEOMETRY_ENV, "in_place=1,lanes_per_block=1")
+    assert qm.default_config(qm.Q4_0, "dense", 1, 5376, 21504, which="cuda").in_place == 1
+
+
 def test_gate_up_m1_defaults():
     """A dense FFN's fused gate|up (one expert) at M = 1: 8 warps, 2 stages; a token's 8 experts and
     M >= 2 keep 4 warps, 4 stages."""
