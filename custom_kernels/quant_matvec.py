@@ -383,6 +383,7 @@ _LOOP_32 = """
   const int lane = $lane;
   const int part = lane % LPB;
   const int nblocks = K / 32;
+@MAGIC@
   float acc[RT][MX];
   $unroll for (int i = 0; i < RT; ++i) { $unroll for (int m = 0; m < MX; ++m) acc[i][m] = 0.0f; }
   for (int b = lane / LPB; b < nblocks; b += BPI) {
@@ -394,17 +395,21 @@ _LOOP_32 = """
       if (wok[i]) {
         const $device uint8_t* blk = wmat + (size_t)wrow[i] * row_bytes + (size_t)b * @BLOCK_BYTES@;
         const float d = g4_half_bits(g4_u16(blk));
+@DOT@
+      }
+    }
+  }
+"""
+
+# the shift-and-mask decode: the block's WPL weights of this lane into w, then one dot per row
+_DOT_SHIFT_MASK = """
         float w[WPL];
 @DECODE@
         $unroll for (int m = 0; m < MX; ++m) {
           float p = 0.0f;
           $unroll for (int j = 0; j < WPL; ++j) p += w[j] * xv[m][j];
           acc[i][m] += d * p;
-        }
-      }
-    }
-  }
-"""
+        }"""
 
 # Q4_0: the lane's part covers qs bytes [part*QB, part*QB+QB): low nibbles are weights
 # part*QB + j, high nibbles weights 16 + part*QB + j. w[j] / w[QB + j] hold them in that order.
@@ -456,32 +461,10 @@ _DECODE_Q8_0 = """
 # instructions per weight (LOP3, FADD, FFMA) where the shift-and-mask decode compiles to ~5, with
 # the same f32 rounding per product. The magic words are built from a value the compiler cannot
 # fold, so they live in registers and each AND+OR is one LOP3.
-_LOOP_32_IN_PLACE = """
-  constexpr int WPL = 32 / LPB;  // weights per lane per block
-  constexpr int BPI = 32 / LPB;  // blocks per SIMD-group iteration
-  const int lane = $lane;
-  const int part = lane % LPB;
-  const int nblocks = K / 32;
-  const uint32_t zero = (uint32_t)K >> 31;  // 0 (K >= 0), unknown at compile time
-@MAGIC@
-  float acc[RT][MX];
-  $unroll for (int i = 0; i < RT; ++i) { $unroll for (int m = 0; m < MX; ++m) acc[i][m] = 0.0f; }
-  for (int b = lane / LPB; b < nblocks; b += BPI) {
-    float xv[MX][WPL];
-    $unroll for (int m = 0; m < MX; ++m) {
-@LOAD_X@
-    }
-    $unroll for (int i = 0; i < RT; ++i) {
-      if (wok[i]) {
-        const $device uint8_t* blk = wmat + (size_t)wrow[i] * row_bytes + (size_t)b * @BLOCK_BYTES@;
-        const float d = g4_half_bits(g4_u16(blk));
-@DOT@
-      }
-    }
-  }
-"""
+
 
 _MAGIC_Q4_0 = """
+  const uint32_t zero = (uint32_t)K >> 31;  // 0 (K >= 0), unknown at compile time
   const uint32_t mq = 0x4B000000u | zero;"""
 
 # p[m][k]: products of the word's field k (weights j, 16 + j, j + 1, 17 + j), scaled by 16^k
@@ -510,6 +493,7 @@ _DOT_Q4_0 = """
         }"""
 
 _MAGIC_Q8_0 = """
+  const uint32_t zero = (uint32_t)K >> 31;  // 0 (K >= 0), unknown at compile time
   const uint32_t m8lo = 0x4B000080u | zero;  // magic exponent, and the sign bit of byte 0 flipped
   const uint32_t m8hi = 0x4B008000u | zero;  // ... of byte 1"""
 
@@ -626,23 +610,17 @@ def _body(ggml_type: int, kind: str, in_place: bool = False) -> str:
     mx_rows = "  constexpr int MX = M;\n" if kind == "dense" else "  constexpr int MX = 1;\n"
     if ggml_type == Q6_K:
         loop = _LOOP_Q6_K
-    elif in_place:
-        load_x, magic, dot = {Q4_0: (_LOAD_X_Q4_0, _MAGIC_Q4_0, _DOT_Q4_0), Q8_0: (_LOAD_X_Q8_0, _MAGIC_Q8_0, _DOT_Q8_0)}[
-            ggml_type
-        ]
-        loop = (
-            _LOOP_32_IN_PLACE.replace("@LOAD_X@", load_x.strip("\n"))
-            .replace("@MAGIC@", magic.strip("\n"))
-            .replace("@DOT@", dot.strip("\n"))
-            .replace("@BLOCK_BYTES@", str(_fmt(ggml_type).block_bytes))
-        )
     else:
-        load_x, decode = {Q4_0: (_LOAD_X_Q4_0, _DECODE_Q4_0), Q8_0: (_LOAD_X_Q8_0, _DECODE_Q8_0)}[
-            ggml_type
-        ]
+        load_x = {Q4_0: _LOAD_X_Q4_0, Q8_0: _LOAD_X_Q8_0}[ggml_type]
+        if in_place:
+            magic, dot = {Q4_0: (_MAGIC_Q4_0, _DOT_Q4_0), Q8_0: (_MAGIC_Q8_0, _DOT_Q8_0)}[ggml_type]
+        else:
+            decode = {Q4_0: _DECODE_Q4_0, Q8_0: _DECODE_Q8_0}[ggml_type]
+            magic, dot = "", _DOT_SHIFT_MASK.replace("@DECODE@", decode.strip("\n"))
         loop = (
-            _LOOP_32.replace("@LOAD_X@", load_x.strip("\n"))
-            .replace("@DECODE@", decode.strip("\n"))
+            _LOOP_32.replace("@MAGIC@\n", magic.strip("\n") + "\n" if magic else "")
+            .replace("@LOAD_X@", load_x.strip("\n"))
+            .replace("@DOT@", dot.strip("\n"))
             .replace("@BLOCK_BYTES@", str(_fmt(ggml_type).block_bytes))
         )
     store = {"dense": _STORE_DENSE, "gather": _STORE_GATHER, "gate_up": _STORE_GATE_UP}[kind]
@@ -696,7 +674,7 @@ projections), e.g. "rows_per_simd=1,simd_groups=4,lanes_per_block=1" (tuning).""
 class KernelConfig:
     """Geometry of one launch: R rows per SIMD group, NSG SIMD groups per threadgroup, LPB lanes
     per 32-weight block (ignored for Q6_K); in_place = 1 runs the in-place decode variant of the
-    dense Q4_0 / Q8_0 kernel (opt-in, see _LOOP_32_IN_PLACE)."""
+    dense Q4_0 / Q8_0 kernel (opt-in, see _DOT_Q4_0)."""
 
     rows_per_simd: int = 4
     simd_groups: int = 2

@@ -19,6 +19,8 @@ pytestmark = [
 NAN = float("nan")
 CONFIGS = [None, qm.KernelConfig(4, 2, 2), qm.KernelConfig(4, 4, 4), qm.KernelConfig(2, 1, 1),
            qm.KernelConfig(3, 2, 2), qm.KernelConfig(8, 1, 4)]  # fmt: skip  (None = dispatch default)
+IN_PLACE_CONFIGS = [qm.KernelConfig(2, 2, 2, 1), qm.KernelConfig(4, 2, 2, 1), qm.KernelConfig(2, 2, 1, 1),
+                    qm.KernelConfig(2, 2, 4, 1)]  # fmt: skip
 
 
 def _acts(rng, shape, dtype):
@@ -68,36 +70,21 @@ def test_dense_kernels(fmt, k, dtype):
 
 @pytest.mark.parametrize("fmt,k", [("q4_0", 5376), ("q8_0", 1056), ("q6_k", 1280)])
 def test_dense_geometries(fmt, k):
-    """Other launch geometries (rows per SIMD group, SIMD groups, lanes per block), f32, M = 1 and 7."""
+    """Other launch geometries (rows per SIMD group, SIMD groups, lanes per block), f32, M = 1 and 7;
+    the in-place decode variant (Q4_0 / Q8_0) at four geometries in f32 and bf16."""
     ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0, "q6_k": qm.Q6_K}[fmt]
     rng = np.random.default_rng(15)
     n = 1003
     raw = qm.random_blocks(rng, ggml_type, (n,), k)
     w64 = qm.dequantize_f64(raw, ggml_type)
     blocks = mx.array(raw)
-    for m in (1, 7):
-        x, x64 = _acts(rng, (m, k), mx.float32)
-        for cfg in CONFIGS[1:]:
-            out = qm.launch_dense(x, blocks, ggml_type, n, config=cfg, init_value=NAN)
-            _check(out, x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, mx.float32, f"{fmt} M={m} N={n} K={k} {cfg}")
-
-
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_dense_in_place_decode(fmt, dtype):
-    """The in-place decode variant (KernelConfig.in_place = 1) at several geometries, M = 1..8."""
-    ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0}[fmt]
-    rng = np.random.default_rng(16)
-    n, k = 1003, 5376
-    raw = qm.random_blocks(rng, ggml_type, (n,), k)
-    w64 = qm.dequantize_f64(raw, ggml_type)
-    blocks = mx.array(raw)
-    for m in (1, 3, 8):
-        x, x64 = _acts(rng, (m, k), dtype)
-        for cfg in (qm.KernelConfig(2, 2, 2, 1), qm.KernelConfig(4, 2, 2, 1), qm.KernelConfig(2, 2, 1, 1),
-                    qm.KernelConfig(2, 2, 4, 1)):  # fmt: skip
-            out = qm.launch_dense(x, blocks, ggml_type, n, config=cfg, init_value=NAN)
-            _check(out, x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, dtype, f"{fmt} in place M={m} {cfg}")
+    in_place = [] if ggml_type == qm.Q6_K else IN_PLACE_CONFIGS
+    for dtype, configs in ((mx.float32, CONFIGS[1:] + in_place), (mx.bfloat16, in_place)):
+        for m in (1, 7):
+            x, x64 = _acts(rng, (m, k), dtype)
+            for cfg in configs:
+                out = qm.launch_dense(x, blocks, ggml_type, n, config=cfg, init_value=NAN)
+                _check(out, x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, dtype, f"{fmt} M={m} N={n} K={k} {cfg}")
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
