@@ -408,8 +408,9 @@ _PARTIAL_BODY = r"""
 #   U    slots whose K and V rows a SIMD group requests before it uses any of them
 # Grid: x = 32*NSG threads x (B * n_kv), y = P partitions, z = ceil(G*M / (QTS*NSG)).
 # Each SIMD group walks its partition alone (no threadgroup memory, no barriers): lane l holds
-# elements l*E .. l*E+E-1 (E = D/32) of its query rows, of the U key and value rows in flight and
-# of its output rows; a score is one SIMD sum; the online softmax runs per batch of U slots. The
+# elements 4l + 128j + {0..3} (j < D/128; E = D/32 in all) of its query rows, of the U key and
+# value rows in flight and of its output rows, so each 4-element load of the warp reads 128
+# consecutive elements; a score is one SIMD sum; the online softmax runs per batch of U slots. The
 # SIMD groups of a threadgroup read the same K/V rows (other query rows of the kv head) close in
 # time, so the repeats are served by L1. Slots none of the SIMD group's rows may attend are never
 # read (tested row by row, so gaps between q positions are safe here).
@@ -436,8 +437,8 @@ _SIMD_BODY = r"""
   $unroll for (int i = 0; i < QTS; ++i) {
     const int r = r0 + i < QR ? r0 + i : r0;  // rows past QR repeat row r0 and are not written
     qp[i] = qpos[r % M];
-    const $device T* qr = q + ((size_t)bh * QR + r) * D + lane * E;
-    $unroll for (int j = 0; j < E; j += 4) g4_load4(qr + j, &qv[i][j]);
+    const $device T* qr = q + ((size_t)bh * QR + r) * D + 4 * lane;
+    $unroll for (int j = 0; j < E; j += 4) g4_load4(qr + 32 * j, &qv[i][j]);
   }
   float m_run[QTS];
   float l_run[QTS];
@@ -447,8 +448,8 @@ _SIMD_BODY = r"""
     l_run[i] = 0.0f;
     $unroll for (int e = 0; e < E; ++e) acc[i][e] = 0.0f;
   }
-  const $device KT* kbase = k + (size_t)bh * S * D + lane * E;
-  const $device KT* vbase = v + (size_t)bh * S * D + lane * E;
+  const $device KT* kbase = k + (size_t)bh * S * D + 4 * lane;
+  const $device KT* vbase = v + (size_t)bh * S * D + 4 * lane;
 
   for (int s0 = start; s0 < end; s0 += U) {
     int pos[U];
@@ -464,8 +465,8 @@ _SIMD_BODY = r"""
     float vr[U][E];
     $unroll for (int u = 0; u < U; ++u) {
       if (any[u]) {
-        $unroll for (int j = 0; j < E; j += 4) g4_load4(kbase + (size_t)(s0 + u) * D + j, &kr[u][j]);
-        $unroll for (int j = 0; j < E; j += 4) g4_load4(vbase + (size_t)(s0 + u) * D + j, &vr[u][j]);
+        $unroll for (int j = 0; j < E; j += 4) g4_load4(kbase + (size_t)(s0 + u) * D + 32 * j, &kr[u][j]);
+        $unroll for (int j = 0; j < E; j += 4) g4_load4(vbase + (size_t)(s0 + u) * D + 32 * j, &vr[u][j]);
       } else {
         $unroll for (int e = 0; e < E; ++e) { kr[u][e] = 0.0f; vr[u][e] = 0.0f; }
       }
@@ -505,7 +506,7 @@ _SIMD_BODY = r"""
         ml[(base + r) * 2] = m_run[i];
         ml[(base + r) * 2 + 1] = l_run[i];
       }
-      $unroll for (int e = 0; e < E; ++e) pacc[(base + r) * D + lane * E + e] = acc[i][e];
+      $unroll for (int e = 0; e < E; ++e) pacc[(base + r) * D + 32 * (e & ~3) + 4 * lane + (e & 3)] = acc[i][e];
     }
   }
 """
