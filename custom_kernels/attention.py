@@ -49,6 +49,9 @@ Kernel design (one body for Metal and CUDA through ``custom_kernels.dialect``):
 2. ``g4_attn_decode_merge``: one threadgroup per output row merges the partitions in ascending
    order (global max first, then sum of exp(m_p - max) * (l_p, acc_p)), divides, and writes q's
    dtype. Fixed order: deterministic, bit-identical run to run.
+3. ``g4_attn_decode_simd`` (opt-in, ``AttentionConfig.simd_rows > 0``; not yet run on a GPU): the
+   same partials from one SIMD group per few query rows, each walking its partition alone with
+   its rows, K/V rows in flight and outputs in registers (see _SIMD_BODY).
 
 Shape stability: the grid has P partitions fixed by the capacity S (so one compiled decode step
 serves every token); the valid length ``n_slots`` is an input array, and each partition's slot

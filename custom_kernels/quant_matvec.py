@@ -461,8 +461,6 @@ _DECODE_Q8_0 = """
 # instructions per weight (LOP3, FADD, FFMA) where the shift-and-mask decode compiles to ~5, with
 # the same f32 rounding per product. The magic words are built from a value the compiler cannot
 # fold, so they live in registers and each AND+OR is one LOP3.
-
-
 _MAGIC_Q4_0 = """
   const uint32_t zero = (uint32_t)K >> 31;  // 0 (K >= 0), unknown at compile time
   const uint32_t mq = 0x4B000000u | zero;"""
