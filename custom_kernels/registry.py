@@ -25,6 +25,7 @@ Conventions of ``KernelCase`` (what a harness must do to run one case):
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["KernelCase", "KernelSpec", "all_kernel_specs", "f32_to_bf16", "bf16_to_f32"]
+__all__ = ["KernelCase", "KernelSpec", "all_kernel_specs", "text_digest", "f32_to_bf16", "bf16_to_f32"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,16 @@ def all_kernel_specs() -> list[KernelSpec]:
     if len(names) != len(set(names)):
         raise RuntimeError(f"duplicate kernel names in custom_kernels: {sorted(names)}")
     return sorted(specs, key=lambda s: s.name)
+
+
+def text_digest(spec: KernelSpec) -> str:
+    """16 hex digits of SHA-256 over both dialects' header and source: what custom_kernels/
+    gpu_tested.json pins for the texts that passed ``pytest -m gpu``."""
+    h = hashlib.sha256()
+    for part in (spec.metal_header, spec.metal_source, spec.cuda_header, spec.cuda_source):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
 
 
 def f32_to_bf16(a: np.ndarray) -> np.ndarray:
