@@ -14,6 +14,7 @@ import mlx.nn as nn
 
 from custom_kernels import use_kernel
 from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention
+from custom_kernels.router import route
 
 from . import cpu_matvec
 from .cache import StaticKVCache
@@ -153,7 +154,10 @@ class Router(nn.Module):
 
     def __call__(self, h):
         r = mx.fast.rms_norm(h, None, self.eps) * self.scale * self.root
-        probs = mx.softmax(self.proj(r).astype(mx.float32), axis=-1)
+        logits = self.proj(r)
+        if use_kernel("router"):  # one launch for softmax, top-k and weights (opt-in family)
+            return route(logits, self.per_expert_scale, self.top_k)
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         idx = mx.argpartition(-probs, self.top_k - 1, axis=-1)[..., : self.top_k]
         w = mx.take_along_axis(probs, idx, axis=-1)
         w = w / w.sum(axis=-1, keepdims=True)

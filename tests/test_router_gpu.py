@@ -1,0 +1,49 @@
+"""GPU: the routing kernel against the float64 oracle at the 26B-A4B shape and others, and the
+model's Router with the family on against its MLX path. Run with ``pytest -m gpu``."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import custom_kernels
+from custom_kernels import router as rt
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(custom_kernels.backend() == "cpu", reason="no GPU backend (CPU-only MLX build)"),
+]
+
+
+@pytest.mark.parametrize("e,k", [(128, 8), (45, 5), (300, 32), (8, 8)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_kernel_matches_oracle(e, k, dtype):
+    rng = np.random.default_rng(e * k)
+    for rows in (1, 3, 8):
+        x = mx.array((rng.standard_normal((rows, e)) * 3).astype(np.float32)).astype(dtype)
+        scale = mx.array(rng.uniform(0.5, 2.0, e).astype(np.float32))
+        want_w, want_i = rt.route_f64(np.array(x.astype(mx.float32)), np.array(scale), k)
+        w, i = rt.route(x, scale, k)
+        assert np.array_equal(np.array(i), want_i), f"E={e} k={k} rows={rows}"
+        assert np.allclose(np.array(w), want_w, rtol=1e-5, atol=1e-7)
+
+
+def test_router_module_with_the_family_on(monkeypatch):
+    from gemma4_mlx.model import Router
+
+    class Cfg:
+        top_k_experts, rms_norm_eps, hidden_size, num_experts = 8, 1e-6, 2816, 128
+
+    r = Router(Cfg())
+    r.proj.weight = mx.random.normal((128, 2816)) * 0.05
+    r.per_expert_scale = mx.random.uniform(0.5, 2.0, (128,))
+    h = mx.random.normal((1, 5, 2816)).astype(mx.bfloat16)
+    w_mlx, i_mlx = r(h)
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "router")
+    w, i = r(h)
+    for t in range(5):
+        got = dict(zip(np.array(i[0, t]).tolist(), np.array(w[0, t]).tolist()))
+        want = dict(zip(np.array(i_mlx[0, t]).tolist(), np.array(w_mlx[0, t]).tolist()))
+        assert got.keys() == want.keys()
+        assert all(abs(got[e] - want[e]) <= 1e-5 * abs(want[e]) for e in want)
