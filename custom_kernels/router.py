@@ -63,8 +63,8 @@ _ROUTE_BODY = r"""
     float bv = -2.0f;
     int be = 0x7fffffff;
     $unroll for (int i = 0; i < EPL; ++i) {
-      const bool free_ = ((taken >> i) & 1u) == 0u;
-      if (free_ && p[i] > bv) {  // i ascending: the first of equal values has the lower index
+      const bool avail = ((taken >> i) & 1u) == 0u;
+      if (avail && p[i] > bv) {  // i ascending: the first of equal values has the lower index
         bv = p[i];
         be = lane + 32 * i;
       }
