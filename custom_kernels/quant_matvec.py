@@ -648,7 +648,7 @@ _KERNEL_DEFS: dict[tuple, _KernelDef] = {}
 
 
 def _kernel_def(ggml_type: int, kind: str, in_place: bool = False) -> _KernelDef:
-    key = (ggml_type, kind) + (("inplace",) if in_place else ())
+    key = (ggml_type, kind, in_place)
     if key not in _KERNEL_DEFS:
         _KERNEL_DEFS[key] = _make_def(ggml_type, kind, in_place)
     return _KERNEL_DEFS[key]

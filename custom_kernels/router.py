@@ -26,10 +26,9 @@ import mlx.core as mx
 import numpy as np
 
 from . import KernelSource, dtype_name, template_args, use_reference
-from .attention import _HELPERS, _local
-from .dialect import DIALECTS, prelude, render
+from .attention import _text as attention_text
 
-__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "route", "route_reference", "route_f64", "kernel_specs"]
+__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "kernel_specs", "route", "route_f64", "route_reference"]
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
@@ -92,11 +91,8 @@ _ROUTE_BODY = r"""
 """
 
 
-def _text() -> dict[str, tuple[str, str]]:
-    return {d: (prelude(d) + _local(render(_HELPERS, d), d), _local(render(_ROUTE_BODY, d), d)) for d in DIALECTS}
-
-
-_ROUTE = KernelSource("g4_moe_route", ("logits", "scale"), ("weights", "indices"), _text())
+# the attention module's header (prelude + g4_attn_exp): one exp for every kernel that needs it
+_ROUTE = KernelSource("g4_moe_route", ("logits", "scale"), ("weights", "indices"), attention_text(_ROUTE_BODY))
 
 
 def _check(logits: mx.array, per_expert_scale: mx.array, top_k: int) -> tuple[int, int]:
