@@ -33,10 +33,11 @@ UNPROVEN_ENV = "GEMMA4_MLX_UNPROVEN_KERNELS"
 """Comma-separated op families (e.g. ``attention,sampling``) whose kernels have not yet passed
 ``pytest -m gpu`` on real hardware: the model uses them only when named here."""
 
-PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling"})
-"""Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. All four
-passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
-session 6). The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
+PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router"})
+"""Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
+four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
+session 6); "router" passed its operator and module tests in session 7 (111 tests). The exact texts
+that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 _kernel_cache: dict[tuple, Callable] = {}
 

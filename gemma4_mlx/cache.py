@@ -179,15 +179,61 @@ def write_slots(buffer: mx.array, update: mx.array, slots: mx.array) -> mx.array
     return mx.put_along_axis(buffer, slots.reshape(1, 1, -1, 1), update, axis=2)
 
 
-class StaticKVCache:
-    """Full-attention cache of fixed capacity whose length is an int32 array, for a compiled decode
-    step: every update writes slots at an array offset (write_slots), so shapes never change."""
+class StepPosition:
+    """The positions every static cache of one decode step holds before it (all layers advance
+    together), and what derives from it: computed once per step and shared by the layers instead
+    of once per layer (~6 tiny kernels and ~10 graph nodes per layer otherwise)."""
 
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
-        self.keys, self.values, self.offset = keys, values, offset
+    def __init__(self, offset: mx.array):
+        self.offset = offset  # int32 scalar
+        self._memo: dict = {}
+
+    def _once(self, key, fn):
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
+
+    def slots(self, t: int) -> mx.array:
+        """int32 [t]: the slots (= positions) of this step's t tokens in a full cache."""
+        return self._once(("slots", t), lambda: self.offset + mx.arange(t, dtype=mx.int32))
+
+    def advanced(self, t: int) -> "StepPosition":
+        """The next step's position (one object for every cache, so they keep sharing)."""
+        return self._once(("advanced", t), lambda: StepPosition(self.offset + t))
+
+    def valid(self, capacity: int) -> mx.array:
+        """int32 [capacity]: slot s of a full cache holds position s if s < offset, else -1."""
+        def compute():
+            slots = mx.arange(capacity, dtype=mx.int32)
+            return mx.where(slots < self.offset, slots, -1)
+
+        return self._once(("valid", capacity), compute)
+
+    def ring(self, capacity: int) -> tuple[mx.array, mx.array]:
+        """(slot int32 [1] this step's token goes to, positions int32 [capacity] after writing it)
+        of a ring of `capacity` slots. Slot s holds the latest position p <= offset with
+        p % capacity == s (-1 before the ring fills): computed, not stored. Slots a rollback emptied
+        are given their previous lap's position, more than the window behind every later query
+        (rollback is bounded by the slack), so the mask is unchanged."""
+
+        def compute():
+            slots = mx.arange(capacity, dtype=mx.int32)
+            latest = self.offset - (self.offset - slots) % capacity
+            return (self.offset % capacity).reshape(1), mx.where(latest >= 0, latest, -1)
+
+        return self._once(("ring", capacity), compute)
+
+
+class StaticKVCache:
+    """Full-attention cache of fixed capacity for a compiled decode step: its length is a shared
+    StepPosition and every update writes slots at that array offset (write_slots), so shapes
+    never change."""
+
+    def __init__(self, keys: mx.array, values: mx.array, step: StepPosition):
+        self.keys, self.values, self.step = keys, values, step
 
     @classmethod
-    def from_cache(cls, cache: KVCache, capacity: int) -> "StaticKVCache":
+    def from_cache(cls, cache: KVCache, capacity: int, step: StepPosition | None = None) -> "StaticKVCache":
         if cache.keys is None:
             raise ValueError("prefill the cache before making it static")
         B, H, _, Dk = cache.keys.shape
@@ -195,66 +241,74 @@ class StaticKVCache:
         values = mx.zeros((B, H, capacity, cache.values.shape[3]), cache.values.dtype)
         keys[:, :, : cache.offset] = cache.keys[:, :, : cache.offset]
         values[:, :, : cache.offset] = cache.values[:, :, : cache.offset]
-        return cls(keys, values, mx.array(cache.offset, dtype=mx.int32))
+        return cls(keys, values, step or StepPosition(mx.array(cache.offset, dtype=mx.int32)))
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[2]
 
+    @property
+    def offset(self) -> mx.array:
+        """int32 scalar: positions held (before an update: the step's first position)."""
+        return self.step.offset
+
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         T = keys.shape[2]
-        at = self.offset + mx.arange(T, dtype=mx.int32)
+        at = self.step.slots(T)
         self.keys, self.values = write_slots(self.keys, keys, at), write_slots(self.values, values, at)
-        self.offset = self.offset + T
-        slots = mx.arange(self.capacity, dtype=mx.int32)
-        return self.keys, self.values, mx.where(slots < self.offset, slots, -1)
+        self.step = self.step.advanced(T)
+        return self.keys, self.values, self.step.valid(self.capacity)
 
     @property
     def state(self):
-        return [self.keys, self.values, self.offset]
+        return [self.keys, self.values]
 
 
 class StaticRotatingKVCache:
-    """A RotatingKVCache ring with its write position as an int32 array (one token per update)."""
+    """A RotatingKVCache ring for a compiled decode step (one token per update), its write
+    position a shared StepPosition."""
 
-    def __init__(self, keys: mx.array, values: mx.array, positions: mx.array, offset: mx.array):
-        self.keys, self.values, self.positions, self.offset = keys, values, positions, offset
+    def __init__(self, keys: mx.array, values: mx.array, step: StepPosition):
+        self.keys, self.values, self.step = keys, values, step
+        self.positions = None  # int32 [capacity] after an update
 
     @classmethod
-    def from_cache(cls, cache: RotatingKVCache) -> "StaticRotatingKVCache":
+    def from_cache(cls, cache: RotatingKVCache, step: StepPosition | None = None) -> "StaticRotatingKVCache":
         if cache.keys is None:
             raise ValueError("prefill the cache before making it static")
-        return cls(cache.keys, cache.values, cache.positions, mx.array(cache.offset, dtype=mx.int32))
+        return cls(cache.keys, cache.values, step or StepPosition(mx.array(cache.offset, dtype=mx.int32)))
+
+    @property
+    def offset(self) -> mx.array:
+        return self.step.offset
 
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         if keys.shape[2] != 1:
             raise ValueError("a static ring cache takes one token per step")
-        capacity = self.keys.shape[2]
-        slot = (self.offset % capacity).reshape(1)
+        slot, self.positions = self.step.ring(self.keys.shape[2])
         self.keys, self.values = write_slots(self.keys, keys, slot), write_slots(self.values, values, slot)
-        # Slot s holds the latest position p <= offset with p % capacity == s (-1 before the ring
-        # fills): computed (one fused elementwise op), not written (a third write per layer). Slots
-        # a rollback emptied are given their previous lap's position, which is more than the window
-        # behind every later query (rollback is bounded by the slack), so the mask is unchanged.
-        slots = mx.arange(capacity, dtype=mx.int32)
-        latest = self.offset - (self.offset - slots) % capacity
-        self.positions = mx.where(latest >= 0, latest, -1)
-        self.offset = self.offset + 1
+        self.step = self.step.advanced(1)
         return self.keys, self.values, self.positions
 
     @property
     def state(self):
-        return [self.keys, self.values, self.positions, self.offset]
+        return [self.keys, self.values]
 
 
 def make_static(cache: list, capacity: int) -> list:
-    """Fixed-shape copies of prefilled caches: full layers get `capacity` slots."""
+    """Fixed-shape copies of prefilled caches sharing one StepPosition: full layers get `capacity`
+    slots. Every cache must hold the same number of positions (as after any forward pass)."""
+    lengths = {c.offset for c in cache if c is not None}
+    if len(lengths) != 1:
+        raise ValueError(f"caches hold different numbers of positions {sorted(lengths)}; a decode step "
+                         "advances them together")  # fmt: skip
+    step = StepPosition(mx.array(lengths.pop(), dtype=mx.int32))
     out = []
     for c in cache:
         if c is None:
             out.append(None)
         elif isinstance(c, RotatingKVCache):
-            out.append(StaticRotatingKVCache.from_cache(c))
+            out.append(StaticRotatingKVCache.from_cache(c, step))
         else:
-            out.append(StaticKVCache.from_cache(c, capacity))
+            out.append(StaticKVCache.from_cache(c, capacity, step))
     return out

@@ -10,25 +10,19 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .cache import StaticKVCache, StaticRotatingKVCache, cache_length, make_static
+from .cache import StepPosition, cache_length, make_static
 
 
 def _flatten(caches: list) -> list[mx.array]:
-    return [a for c in caches if c is not None for a in c.state]
+    """[the caches' shared position, then each cache's K and V buffers]."""
+    live = [c for c in caches if c is not None]
+    return [live[0].step.offset, *(a for c in live for a in c.state)]
 
 
 def _rebuild(kinds: list, arrays: list[mx.array]) -> list:
-    out, i = [], 0
-    for kind in kinds:
-        if kind is None:
-            out.append(None)
-        elif kind is StaticRotatingKVCache:
-            out.append(StaticRotatingKVCache(*arrays[i : i + 4]))
-            i += 4
-        else:
-            out.append(StaticKVCache(*arrays[i : i + 3]))
-            i += 3
-    return out
+    step = StepPosition(arrays[0])
+    buffers = iter(arrays[1:])
+    return [None if kind is None else kind(next(buffers), next(buffers), step) for kind in kinds]
 
 
 class CompiledDecoder:

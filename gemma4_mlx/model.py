@@ -14,6 +14,7 @@ import mlx.nn as nn
 
 from custom_kernels import use_kernel
 from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention
+from custom_kernels.norm import residual_norm, residual_norm_reference
 from custom_kernels.router import route
 
 from . import cpu_matvec
@@ -37,6 +38,14 @@ class RMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, self.get("weight"), self.eps)
+
+
+def add_norm(h, a, post_norm: RMSNorm, next_norm: RMSNorm | None = None, scale=None):
+    """The residual stream after a branch: out = (h + post_norm(a)) [* scale], and next_norm(out)
+    (None without next_norm). One launch on GPUs (custom_kernels.norm), MLX ops otherwise."""
+    w_next = None if next_norm is None else next_norm.weight
+    fused = residual_norm if use_kernel("norm") else residual_norm_reference
+    return fused(h, a, post_norm.weight, w_next, post_norm.eps, scale)
 
 
 class ExpertLinear(nn.Module):
@@ -95,8 +104,10 @@ class Attention(nn.Module):
         names = ["q_proj"] + ([] if s.kv_shared else ["k_proj"] if s.k_eq_v else ["k_proj", "v_proj"])
         return [self[n](x) for n in names]
 
-    def __call__(self, x, offset, cache, shared_kv, mask_fn):
-        """x [B, T, H] -> [B, T, H]. Owners update `cache` and publish (K, V, positions, n_slots) in
+    def __call__(self, x, offset, q_pos, cache, shared_kv, mask_fn):
+        """x [B, T, H] -> [B, T, H]; offset: positions held before this step (int, or the int32
+        array of a compiled step), q_pos: int32 [T] this step's positions (offset + 0..T-1, computed
+        once per step by TextModel). Owners update `cache` and publish (K, V, positions, n_slots) in
         shared_kv[type] for the KV-shared consumers of this step; consumers read it from there."""
         B, T, _ = x.shape
         s = self.spec
@@ -114,11 +125,11 @@ class Attention(nn.Module):
                 keys, values, positions = cache.update(k, v)
                 n_slots = cache.offset if isinstance(cache, StaticKVCache) else None
             else:
-                keys, values, positions = k, v, offset + mx.arange(T, dtype=mx.int32)
+                keys, values, positions = k, v, q_pos
             shared_kv[s.type] = (keys, values, positions, n_slots)
         if T <= MAX_QUERY_ROWS and use_kernel("attention"):
             # decode / verification on a GPU: split-GQA kernel straight over the cache buffers
-            out = decode_attention(q, keys, values, positions, offset + mx.arange(T, dtype=mx.int32),
+            out = decode_attention(q, keys, values, positions, q_pos,
                                    s.sliding_window, n_slots=n_slots)
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask_fn(s, positions))
@@ -155,7 +166,7 @@ class Router(nn.Module):
     def __call__(self, h):
         r = mx.fast.rms_norm(h, None, self.eps) * self.scale * self.root
         logits = self.proj(r)
-        if use_kernel("router"):  # one launch for softmax, top-k and weights (opt-in family)
+        if use_kernel("router"):  # one launch for softmax, top-k and weights
             return route(logits, self.per_expert_scale, self.top_k)
         probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         idx = mx.argpartition(-probs, self.top_k - 1, axis=-1)[..., : self.top_k]
@@ -207,19 +218,22 @@ class DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(D, H, bias=False)
             self.post_per_layer_input_norm = RMSNorm(H, eps)
 
-    def __call__(self, h, offset, cache, shared_kv, mask_fn, per_layer_input=None):
-        a = self.self_attn(self.input_layernorm(h), offset, cache, shared_kv, mask_fn)
-        h = h + self.post_attention_layernorm(a)
-        m = self.mlp(self.pre_feedforward_layernorm(h))
+    def __call__(self, h, x, offset, q_pos, cache, shared_kv, mask_fn, per_layer_input=None, next_norm=None):
+        """h: the residual stream [B, T, H], x: input_layernorm(h) -> (this layer's output h,
+        next_norm(h)): the next layer's input norm (or the final norm) is fused into this layer's
+        last residual add."""
+        a = self.self_attn(x, offset, q_pos, cache, shared_kv, mask_fn)
+        h, x = add_norm(h, a, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        m = self.mlp(x)
         if self.spec.moe:
             weights, indices = self.router(h)
             moe = self.experts(self.pre_feedforward_layernorm_2(h), weights, indices)
             m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(moe)
-        h = h + self.post_feedforward_layernorm(m)
         if self.ple:
-            g = gelu_tanh(self.per_layer_input_gate(h)) * per_layer_input
-            h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
-        return h * self.layer_scalar
+            h, _ = add_norm(h, m, self.post_feedforward_layernorm)
+            m = self.per_layer_projection(gelu_tanh(self.per_layer_input_gate(h)) * per_layer_input)
+            return add_norm(h, m, self.post_per_layer_input_norm, next_norm, self.layer_scalar)
+        return add_norm(h, m, self.post_feedforward_layernorm, next_norm, self.layer_scalar)
 
 
 class TextModel(nn.Module):
@@ -273,12 +287,14 @@ class TextModel(nn.Module):
             return masks[key]
 
         shared_kv: dict = {}
+        x = self.layers[0].input_layernorm(h)
         for i, layer in enumerate(self.layers):
-            h = layer(h, offset, cache[i] if cache else None, shared_kv, mask_fn,
-                      ple[:, :, i] if ple is not None else None)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, x = layer(h, x, offset, q_pos, cache[i] if cache else None, shared_kv, mask_fn,
+                         ple[:, :, i] if ple is not None else None, next_norm)
             if hidden_states is not None:
                 hidden_states.append(h)
-        return self.norm(h)
+        return x  # self.norm(h)
 
 
 class Model(nn.Module):

@@ -2,6 +2,7 @@
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from fixtures import probe_ids
 from gemma4_mlx.cache import make_cache
@@ -113,3 +114,27 @@ def test_static_ring_positions_match_the_ring_including_after_rollback():
             visible = lambda p: (p >= 0) & (p <= q) & (q - p < window)  # noqa: E731
             assert np.array_equal(visible(want), visible(got)), (prefill, rollback_to, q)
             assert np.array_equal(want[visible(want)], got[visible(got)])
+
+
+def test_static_caches_share_one_step_position():
+    """make_static gives every cache one StepPosition: a step's derived positions are computed once
+    (the same arrays for every layer of a kind) and all caches advance to one next position."""
+    from gemma4_mlx.cache import KVCache, RotatingKVCache, StaticKVCache, StaticRotatingKVCache, make_static
+
+    kv = (mx.zeros((1, 2, 5, 4)),) * 2
+    rings, fulls = [RotatingKVCache(8, 4) for _ in range(2)], [KVCache() for _ in range(2)]
+    for c in rings + fulls:
+        c.update(*kv)
+    static = make_static([rings[0], fulls[0], None, rings[1], fulls[1]], capacity=16)
+    assert isinstance(static[0], StaticRotatingKVCache) and isinstance(static[1], StaticKVCache)
+    step = static[0].step
+    assert all(c.step is step for c in static if c is not None) and static[1].offset.item() == 5
+    one = (mx.ones((1, 2, 1, 4)),) * 2
+    out = [c.update(*one) for c in static if c is not None]
+    assert out[0][2] is out[2][2] and out[1][2] is out[3][2]  # one positions array per kind
+    assert all(c.step is static[0].step for c in static if c is not None) and static[0].step is not step
+    assert static[1].offset.item() == 6 and np.array(out[1][2]).tolist()[:7] == [0, 1, 2, 3, 4, 5, -1]
+    assert np.array(out[1][0])[0, 0, 5].tolist() == [1.0] * 4  # the token went to slot 5
+    fulls[1].update(*kv)
+    with pytest.raises(ValueError, match="different numbers of positions"):
+        make_static([fulls[0], fulls[1]], capacity=16)

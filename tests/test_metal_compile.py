@@ -81,6 +81,7 @@ float simd_sum(float);
 float simd_max(float);
 float simd_shuffle_xor(float, ushort);
 namespace metal { namespace precise { float tanh(float); } }
+float sqrt(float);
 """
 
 

@@ -1,0 +1,39 @@
+"""custom_kernels.norm on the CPU: the MLX reference against the numpy oracle, and argument checks
+(the model's restructured layers are checked against transformers by tests/test_model.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from custom_kernels import norm
+
+
+@pytest.mark.parametrize("d,scale,nxt", [(64, False, True), (96, True, True), (128, True, False)])
+def test_reference_matches_oracle(d, scale, nxt):
+    rng = np.random.default_rng(d)
+    h, a = rng.standard_normal((3, d)).astype(np.float32) * 4, rng.standard_normal((3, d)).astype(np.float32)
+    w_a, w_n = rng.uniform(0.2, 2, d).astype(np.float32), rng.uniform(0.2, 2, d).astype(np.float32)
+    s = 0.75
+    want_out, want_x = norm.residual_norm_np(h, a, w_a, w_n if nxt else None, 1e-6, np.float32(s) if scale else None)
+    out, x = norm.residual_norm(mx.array(h), mx.array(a), mx.array(w_a), mx.array(w_n) if nxt else None, 1e-6,
+                                mx.array([s]) if scale else None)  # fmt: skip
+    assert np.allclose(np.array(out), want_out, rtol=1e-5, atol=1e-5)
+    assert (x is None) == (not nxt)
+    if nxt:
+        assert np.allclose(np.array(x), want_x, rtol=1e-5, atol=1e-5)
+
+
+def test_errors_and_fusable():
+    h = mx.zeros((2, 8))
+    for args, match in (((h, mx.zeros((2, 6)), mx.ones((8,)), None), "expected"),
+                        ((h, h, mx.ones((7,)), None), "expected"),
+                        ((mx.zeros((1, 7)), mx.zeros((1, 7)), mx.ones((7,)), None), "even")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            norm.residual_norm(*args, 1e-6)
+    with pytest.raises(ValueError, match="one value"):
+        norm.residual_norm(h, h, mx.ones((8,)), None, 1e-6, mx.ones((2,)))
+    w = mx.ones((8,))
+    assert norm.fusable(h, h, w, w, mx.ones((1,)))
+    assert not norm.fusable(h.astype(mx.bfloat16), h.astype(mx.bfloat16), w.astype(mx.bfloat16), None, mx.ones((1,)))
