@@ -15,6 +15,7 @@ import mlx.nn as nn
 from custom_kernels import use_kernel
 from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention
 from custom_kernels.norm import residual_norm, residual_norm_reference
+from custom_kernels.rope import norm_rope
 from custom_kernels.router import route
 
 from . import cpu_matvec
@@ -104,6 +105,29 @@ class Attention(nn.Module):
         names = ["q_proj"] + ([] if s.kv_shared else ["k_proj"] if s.k_eq_v else ["k_proj", "v_proj"])
         return [self[n](x) for n in names]
 
+    def heads(self, x: mx.array, offset, q_pos: mx.array):
+        """q [B, heads, T, d] after q_norm and RoPE; k (k_norm, RoPE) and v (v_norm) [B, kv heads,
+        T, d] where this layer computes them, else None. One launch for the norms and RoPE on GPUs
+        (custom_kernels.rope) when the projection output is one array."""
+        B, T, _ = x.shape
+        s = self.spec
+        fused = getattr(self, "qkv_proj", None)
+        one_output = s.kv_shared or (fused is not None and fused.intact())
+        if one_output and T <= MAX_QUERY_ROWS and use_kernel("norm_rope"):
+            y = self.q_proj(x) if s.kv_shared else fused.matvec(x)
+            hkv = 0 if s.kv_shared else s.num_kv_heads
+            return norm_rope(y, (s.num_heads, hkv, s.head_dim, s.k_eq_v), self.q_norm.weight,
+                             None if s.kv_shared else self.k_norm.weight, q_pos, self.q_norm.eps,
+                             self._rope["base"], self._rope["freqs"])  # fmt: skip
+        q, *kv = self.project(x)
+        q = self.rope(self.q_norm(q.reshape(B, T, s.num_heads, s.head_dim)).transpose(0, 2, 1, 3), offset)
+        if s.kv_shared:
+            return q, None, None
+        k = kv[0].reshape(B, T, s.num_kv_heads, s.head_dim)
+        v = k if s.k_eq_v else kv[1].reshape(B, T, s.num_kv_heads, s.head_dim)
+        k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
+        return q, k, self.v_norm(v).transpose(0, 2, 1, 3)
+
     def __call__(self, x, offset, q_pos, cache, shared_kv, mask_fn):
         """x [B, T, H] -> [B, T, H]; offset: positions held before this step (int, or the int32
         array of a compiled step), q_pos: int32 [T] this step's positions (offset + 0..T-1, computed
@@ -111,16 +135,11 @@ class Attention(nn.Module):
         shared_kv[type] for the KV-shared consumers of this step; consumers read it from there."""
         B, T, _ = x.shape
         s = self.spec
-        q, *kv = self.project(x)
-        q = self.rope(self.q_norm(q.reshape(B, T, s.num_heads, s.head_dim)).transpose(0, 2, 1, 3), offset)
+        q, k, v = self.heads(x, offset, q_pos)
         n_slots = None
         if s.kv_shared:
             keys, values, positions, n_slots = shared_kv[s.type]
         else:
-            k = kv[0].reshape(B, T, s.num_kv_heads, s.head_dim)
-            v = k if s.k_eq_v else kv[1].reshape(B, T, s.num_kv_heads, s.head_dim)
-            k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
-            v = self.v_norm(v).transpose(0, 2, 1, 3)
             if cache is not None:
                 keys, values, positions = cache.update(k, v)
                 n_slots = cache.offset if isinstance(cache, StaticKVCache) else None

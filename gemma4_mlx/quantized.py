@@ -175,12 +175,15 @@ class FusedBlockLinear:
         """True while every module still holds its view of the fused matrix."""
         return all(m.blocks is v for m, v in zip(self.modules, self.views))
 
-    def __call__(self, x: mx.array) -> list[mx.array]:
-        """x [..., K] -> one output [..., out_i] per module (views of one matvec's result)."""
+    def matvec(self, x: mx.array) -> mx.array:
+        """x [..., K] -> [..., sum(out_i)]: the modules' outputs side by side."""
         from custom_kernels.quant_matvec import quant_matvec
 
-        y = quant_matvec(x, self.blocks, self.ggml_type, sum(self.sizes))
-        return mx.split(y, self.splits, axis=-1)
+        return quant_matvec(x, self.blocks, self.ggml_type, sum(self.sizes))
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        """x [..., K] -> one output [..., out_i] per module (views of one matvec's result)."""
+        return mx.split(self.matvec(x), self.splits, axis=-1)
 
     def gelu_product(self, x: mx.array) -> mx.array:
         """Two modules (gate, up) of equal width F: gelu_tanh(x @ gate.T) * (x @ up.T) [..., F]."""

@@ -81,7 +81,7 @@ float simd_sum(float);
 float simd_max(float);
 float simd_shuffle_xor(float, ushort);
 namespace metal { namespace precise { float tanh(float); } }
-float sqrt(float);
+float sqrt(float); float cos(float); float sin(float); float exp2(float);
 """
 
 

@@ -28,7 +28,7 @@ pytestmark = [
 ]
 
 VARIANTS = ("dense", "moe", "eseries")
-ALL_KERNELS = "attention,sampling,quant_matvec_stream,router,norm"  # every family, opt-in ones too
+ALL_KERNELS = "attention,sampling,quant_matvec_stream,router,norm,norm_rope"  # every family, opt-in ones too
 GREEDY_TOKENS = 64
 MARGIN = 1.0  # a top-2 logit margin above this must not flip between the paths
 
