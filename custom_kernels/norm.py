@@ -76,7 +76,7 @@ _BODY = r"""
 # Sum over the threadgroup; `phase` picks one half of red, so two sums need only one barrier each.
 _HELPERS = r"""
 // gemma4-mlx norm helpers
-@FN@ float g4n_block_sum(float v, $shared float* red, int phase, int tid, int nsg) {
+@FN@ float g4n_block_sum(float v, @TG@ float* red, int phase, int tid, int nsg) {
   v = g4_simd_sum(v);
   if ((tid & 31) == 0) red[32 * phase + (tid >> 5)] = v;
   $barrier;
@@ -89,8 +89,8 @@ template <typename U> @FN@ float g4n_round(float v) { return static_cast<float>(
 """
 
 _LOCAL = {
-    "metal": {"@FN@": "static inline", "@SQRT@": "sqrt"},
-    "cuda": {"@FN@": "__device__ __forceinline__", "@SQRT@": "sqrtf"},
+    "metal": {"@FN@": "static inline", "@SQRT@": "sqrt", "@TG@": "threadgroup"},  # @TG@: a shared-memory pointer
+    "cuda": {"@FN@": "__device__ __forceinline__", "@SQRT@": "sqrtf", "@TG@": ""},
 }
 
 

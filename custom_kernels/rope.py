@@ -3,15 +3,17 @@ RoPE on the key heads and the weightless v_norm on the value heads, each written
 [B, heads, T, d] layout attention reads (MLX ops take five launches for it: three rms_norm, two
 rope, plus copies where the split views are not contiguous).
 
-    q, k, v = norm_rope(y, heads, w_q, w_k, positions, eps, base=..., periods=...)
+    q, k, v = norm_rope(y, heads, w_q, w_k, positions, eps, inv_freq)
     # y [B, T, (HQ + HKV (+ HKV)) * d]: the q|k|v projection output (k only when K = V: then the
     # value heads are the key heads before k_norm); HKV = 0 for KV-shared layers (k, v None)
 
 Semantics (kernel, ``norm_rope_reference`` and the tests' oracle), rounding as MLX's ops do: per head
 row x of d elements, n = T(w * T(x * r(x))) (no w for v), r(x) = 1 / sqrt(mean(x^2) + eps) in f32;
-then for q and k, pair (i, i + d/2) at position p: theta = p * f_i with f_i = 2^(-(i / (d/2)) log2(base))
-or 1 / periods[i] (proportional RoPE; an infinite period leaves the pair as it is), and
-(n_i cos theta - n_{i+d/2} sin theta, n_i sin theta + n_{i+d/2} cos theta) rounded to T.
+then for q and k, pair (i, i + d/2) at position p: theta = p * f_i in f32, with f_i the inverse
+frequencies (``inverse_frequencies``: base^(-i / (d/2)), or 1 / periods[i] for proportional RoPE, 0
+for an infinite period), and (n_i cos theta - n_{i+d/2} sin theta, n_i sin theta + n_{i+d/2} cos theta)
+rounded to T. MLX's rope computes f_i on the device (exp2 of an f32 product): a few ulp apart,
+which p multiplies; the kernel takes them from the host so the result is reproducible.
 
 Kernel (one body for Metal and CUDA, custom_kernels.dialect): one SIMD group per head row; lane l
 holds the pairs l, l + 32, ... (D / 64 of them), so a SIMD sum gives the norm and each lane
@@ -20,18 +22,16 @@ rotates its own pairs.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import numpy as np
 
 from . import KernelSource, dtype_name, template_args, use_reference
 from .dialect import prelude, render
 
-__all__ = ["kernel_specs", "norm_rope", "norm_rope_reference", "norm_rope_np"]
+__all__ = ["inverse_frequencies", "kernel_specs", "norm_rope", "norm_rope_reference", "norm_rope_np"]
 
-# Template: T, D (head dim, multiple of 64), HQ, HKV (0: q only), KEQV, FREQS, TQ (tokens per
-# sequence), NSG (SIMD groups per threadgroup).
+# Template: T, D (head dim, multiple of 64), HQ, HKV (0: q only), KEQV, TQ (tokens per sequence),
+# NSG (SIMD groups per threadgroup).
 _BODY = r"""
   // gemma4-mlx norm_rope: q_norm + RoPE, k_norm + RoPE, v_norm, out in [B, heads, T, D]
   constexpr int NH = HQ + 2 * HKV;   // head rows per token
@@ -70,8 +70,7 @@ _BODY = r"""
       const $device T* w = is_q ? w_q : w_k;
       n1 = g4r_round<T>(static_cast<float>(w[i]) * n1);
       n2 = g4r_round<T>(static_cast<float>(w[i + D / 2]) * n2);
-      const float f = FREQS ? 1.0f / freqs[i] : @EXP2@(-((float)i / (float)(D / 2)) * log2_base[0]);
-      const float theta = pos * f;
+      const float theta = pos * inv_freq[i];
       const float c = @COS@(theta);
       const float s = @SIN@(theta);
       $device T* o = is_q ? q_out : k_out;
@@ -90,9 +89,8 @@ template <typename U> @FN@ float g4r_round(float v) { return static_cast<float>(
 """
 
 _LOCAL = {
-    "metal": {"@FN@": "static inline", "@SQRT@": "sqrt", "@EXP2@": "exp2", "@COS@": "cos", "@SIN@": "sin"},
-    "cuda": {"@FN@": "__device__ __forceinline__", "@SQRT@": "sqrtf", "@EXP2@": "exp2f", "@COS@": "cosf",
-             "@SIN@": "sinf"},
+    "metal": {"@FN@": "static inline", "@SQRT@": "sqrt", "@COS@": "cos", "@SIN@": "sin"},
+    "cuda": {"@FN@": "__device__ __forceinline__", "@SQRT@": "sqrtf", "@COS@": "cosf", "@SIN@": "sinf"},
 }  # fmt: skip
 
 
@@ -105,18 +103,30 @@ def _text(body: str) -> dict[str, tuple[str, str]]:
     return {d: (prelude(d) + local(_HELPERS, d), local(body, d)) for d in ("metal", "cuda")}
 
 
-_NORM_ROPE = KernelSource("g4_norm_rope", ("y", "w_q", "w_k", "positions", "freqs", "log2_base", "eps"),
+_NORM_ROPE = KernelSource("g4_norm_rope", ("y", "w_q", "w_k", "positions", "inv_freq", "eps"),
                           ("q_out", "k_out", "v_out"), _text(_BODY))  # fmt: skip
 
 SIMD_GROUPS = 4
 
 
-def _template(dtype: str, d: int, hq: int, hkv: int, k_eq_v: bool, freqs: bool, tq: int) -> list:
-    return [("T", dtype), ("D", d), ("HQ", hq), ("HKV", hkv), ("KEQV", k_eq_v), ("FREQS", freqs), ("TQ", tq),
-            ("NSG", SIMD_GROUPS)]  # fmt: skip
+def _template(dtype: str, d: int, hq: int, hkv: int, k_eq_v: bool, tq: int) -> list:
+    return [("T", dtype), ("D", d), ("HQ", hq), ("HKV", hkv), ("KEQV", k_eq_v), ("TQ", tq), ("NSG", SIMD_GROUPS)]
 
 
-def _check(y, heads, w_q, w_k, positions, base, periods) -> tuple[int, int, int, bool]:
+def inverse_frequencies(d: int, base: float | None = None, periods=None) -> np.ndarray:
+    """float32 [d/2]: RoPE's inverse frequencies, base^(-i / (d/2)) or 1 / periods (0 where a period
+    is infinite), computed in float64 and rounded once."""
+    if (base is None) == (periods is None):
+        raise ValueError("give either base or periods")
+    if periods is not None:
+        p = np.asarray(periods, np.float64)
+        if p.shape != (d // 2,):
+            raise ValueError(f"periods [{d // 2}] expected, got {p.shape}")
+        return (1.0 / p).astype(np.float32)
+    return (float(base) ** (-np.arange(d // 2) / (d // 2))).astype(np.float32)
+
+
+def _check(y, heads, w_q, w_k, positions, inv_freq) -> tuple[int, int, int, bool]:
     hq, hkv, d, k_eq_v = heads
     width = (hq + (1 if k_eq_v else 2) * hkv) * d
     if y.ndim != 3 or y.shape[-1] != width:
@@ -125,17 +135,18 @@ def _check(y, heads, w_q, w_k, positions, base, periods) -> tuple[int, int, int,
         raise ValueError(f"head dim must be a multiple of 64 with norm weights [{d}], got {w_q.shape}")
     if positions.shape != (y.shape[1],) or positions.dtype != mx.int32:
         raise ValueError(f"positions int32 [{y.shape[1]}] expected, got {positions.dtype} {positions.shape}")
-    if (base is None) == (periods is None) or (periods is not None and periods.shape != (d // 2,)):
-        raise ValueError(f"give either base or periods [{d // 2}]")
+    if inv_freq.shape != (d // 2,) or inv_freq.dtype != mx.float32:
+        raise ValueError(f"inv_freq float32 [{d // 2}] expected, got {inv_freq.dtype} {inv_freq.shape}")
     return hq, hkv, d, k_eq_v
 
 
-def norm_rope_reference(y, heads, w_q, w_k, positions, eps: float, base=None, periods=None):
-    """MLX ops (what Attention computes without the kernel) -> (q, k, v) [B, heads, T, d] (k, v None
-    when HKV = 0). Positions must be consecutive (MLX's rope takes an offset)."""
-    hq, hkv, d, k_eq_v = _check(y, heads, w_q, w_k, positions, base, periods)
+def norm_rope_reference(y, heads, w_q, w_k, positions, eps: float, inv_freq):
+    """MLX ops (what Attention computes without the kernel, with RoPE's periods 1 / inv_freq) ->
+    (q, k, v) [B, heads, T, d] (k, v None when HKV = 0). Positions must be consecutive (MLX's rope
+    takes an offset)."""
+    hq, hkv, d, k_eq_v = _check(y, heads, w_q, w_k, positions, inv_freq)
     B, T, _ = y.shape
-    rope = dict(base=base, freqs=None) if periods is None else dict(base=None, freqs=periods)
+    rope = dict(base=None, freqs=1.0 / inv_freq)
 
     def heads_of(a, n):
         return a.reshape(B, T, n, d)
@@ -152,28 +163,25 @@ def norm_rope_reference(y, heads, w_q, w_k, positions, eps: float, base=None, pe
     return q, k, mx.fast.rms_norm(v_raw, None, eps).transpose(0, 2, 1, 3)
 
 
-def fusable(y, w_q, w_k, periods=None) -> bool:
+def fusable(y, w_q, w_k) -> bool:
     """True when the kernel computes what the reference does: one activation dtype (f32 or bf16)
-    for y and the weights, f32 periods."""
-    return (y.dtype in (mx.float32, mx.bfloat16) and w_q.dtype == y.dtype and (w_k is None or w_k.dtype == y.dtype)
-            and (periods is None or periods.dtype == mx.float32))  # fmt: skip
+    for y and the weights."""
+    return y.dtype in (mx.float32, mx.bfloat16) and w_q.dtype == y.dtype and (w_k is None or w_k.dtype == y.dtype)
 
 
-def norm_rope(y, heads, w_q, w_k, positions, eps: float, base=None, periods=None):
+def norm_rope(y, heads, w_q, w_k, positions, eps: float, inv_freq):
     """The module's op: the kernel on GPU builds when `fusable`, ``norm_rope_reference`` otherwise.
-    heads = (HQ, HKV, d, k_eq_v); positions int32 [T] (this step's, consecutive)."""
-    hq, hkv, d, k_eq_v = _check(y, heads, w_q, w_k, positions, base, periods)
-    if use_reference() or not fusable(y, w_q, w_k, periods):
-        return norm_rope_reference(y, heads, w_q, w_k, positions, eps, base, periods)
+    heads = (HQ, HKV, d, k_eq_v); positions int32 [T] (this step's, consecutive); inv_freq float32
+    [d/2] (``inverse_frequencies``)."""
+    hq, hkv, d, k_eq_v = _check(y, heads, w_q, w_k, positions, inv_freq)
+    if use_reference() or not fusable(y, w_q, w_k):
+        return norm_rope_reference(y, heads, w_q, w_k, positions, eps, inv_freq)
     B, T, _ = y.shape
     groups = -(-B * T * (hq + 2 * hkv) // SIMD_GROUPS)
     kv_shape = (B, hkv, T, d) if hkv else (1,)
     q, k, v = _NORM_ROPE.kernel()(
-        inputs=[y, w_q, w_k if hkv else w_q, positions,
-                periods if periods is not None else mx.zeros((1,), mx.float32),
-                mx.array([math.log2(base) if base is not None else 0.0], dtype=mx.float32),
-                mx.array([eps], dtype=mx.float32)],
-        template=template_args(_template(dtype_name(y.dtype), d, hq, hkv, k_eq_v, periods is not None, T)),
+        inputs=[y, w_q, w_k if hkv else w_q, positions, inv_freq, mx.array([eps], dtype=mx.float32)],
+        template=template_args(_template(dtype_name(y.dtype), d, hq, hkv, k_eq_v, T)),
         grid=(32 * SIMD_GROUPS * groups, 1, 1),
         threadgroup=(32 * SIMD_GROUPS, 1, 1),
         output_shapes=[(B, hq, T, d), kv_shape, kv_shape],
@@ -187,8 +195,9 @@ def norm_rope(y, heads, w_q, w_k, positions, eps: float, base=None, periods=None
 # --------------------------------------------------------------------------------------------
 
 
-def norm_rope_np(y, heads, w_q, w_k, positions, eps: float, base=None, periods=None, bf16: bool = False):
-    """float64 oracle on y [B, T, W] (f32 values) with the module's roundings -> (q, k, v)."""
+def norm_rope_np(y, heads, w_q, w_k, positions, eps: float, inv_freq, bf16: bool = False):
+    """float64 oracle on y [B, T, W] (f32 values) with the module's roundings -> (q, k, v); the angle
+    p * f in float32 as the kernel computes it."""
     from .registry import bf16_to_f32, f32_to_bf16
 
     hq, hkv, d, k_eq_v = heads
@@ -199,12 +208,7 @@ def norm_rope_np(y, heads, w_q, w_k, positions, eps: float, base=None, periods=N
     B, T, _ = y.shape
     y = y.astype(np.float64)
     half = d // 2
-    # f and theta in float32 as the kernel (and MLX's rope) computes them: at position p the angle
-    # carries p times f's rounding, which float64 would not reproduce
-    if periods is None:
-        f = (2.0 ** (-(np.arange(half) / half) * float(np.float32(math.log2(base))))).astype(np.float32)
-    else:
-        f = np.float32(1.0) / np.asarray(periods, np.float32)
+    f = np.asarray(inv_freq, np.float32)
     theta = (np.asarray(positions, np.float32)[:, None] * f[None, :]).astype(np.float64)  # [T, half]
     c, s = np.cos(theta)[None, None], np.sin(theta)[None, None]
 
@@ -237,23 +241,21 @@ def _case(rng, B, T, hq, hkv, d, k_eq_v, full, dtype, pos0):
     if bf16:
         y, w_q, w_k = (bf16_to_f32(f32_to_bf16(a)) for a in (y, w_q, w_k))
     positions = np.arange(pos0, pos0 + T, dtype=np.int32)
-    base, periods = 10_000.0, None
     if full:  # proportional: the first quarter of the pairs rotate, the rest have infinite periods
         n = d // 8
-        periods = np.array([1e6 ** (2 * i / d) for i in range(n)] + [np.inf] * (d // 2 - n), dtype=np.float32)
-        base = None
+        inv = inverse_frequencies(d, periods=[1e6 ** (2 * i / d) for i in range(n)] + [np.inf] * (d // 2 - n))
+    else:
+        inv = inverse_frequencies(d, base=10_000.0)
     heads = (hq, hkv, d, k_eq_v)
-    q, k, v = norm_rope_np(y, heads, w_q, w_k, positions, 1e-6, base, periods, bf16)
+    q, k, v = norm_rope_np(y, heads, w_q, w_k, positions, 1e-6, inv, bf16)
     enc = (lambda a: f32_to_bf16(a)) if bf16 else (lambda a: a)
     kv_shape = (B, hkv, T, d) if hkv else (1,)
     groups = -(-B * T * (hq + 2 * hkv) // SIMD_GROUPS)
     tol = dict(rtol=8e-3, atol=2e-2) if bf16 else dict(rtol=2e-5, atol=2e-5)
     return KernelCase(
-        inputs={"y": enc(y), "w_q": enc(w_q), "w_k": enc(w_k), "positions": positions,
-                "freqs": periods if periods is not None else np.zeros(1, np.float32),
-                "log2_base": np.array([math.log2(base) if base else 0.0], np.float32),
+        inputs={"y": enc(y), "w_q": enc(w_q), "w_k": enc(w_k), "positions": positions, "inv_freq": inv,
                 "eps": np.array([1e-6], np.float32)},
-        template=_template(dtype, d, hq, hkv, k_eq_v, full, T), grid=(32 * SIMD_GROUPS * groups, 1, 1),
+        template=_template(dtype, d, hq, hkv, k_eq_v, T), grid=(32 * SIMD_GROUPS * groups, 1, 1),
         threadgroup=(32 * SIMD_GROUPS, 1, 1), output_shapes=[(B, hq, T, d), kv_shape, kv_shape],
         output_dtypes=[dtype] * 3, expected=[q] + ([k, v] if hkv else []),
         input_dtypes={n: "bfloat16" for n in ("y", "w_q", "w_k")} if bf16 else {},

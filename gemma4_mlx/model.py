@@ -15,7 +15,7 @@ import mlx.nn as nn
 from custom_kernels import use_kernel
 from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention
 from custom_kernels.norm import residual_norm, residual_norm_reference
-from custom_kernels.rope import norm_rope
+from custom_kernels.rope import inverse_frequencies, norm_rope
 from custom_kernels.router import route
 
 from . import cpu_matvec
@@ -84,12 +84,14 @@ class Attention(nn.Module):
         self.v_norm = RMSNorm(d, cfg.rms_norm_eps, with_scale=False)
         if spec.is_sliding:
             self._rope = dict(base=spec.rope_theta, freqs=None)
+            self._inv_freq = mx.array(inverse_frequencies(d, base=spec.rope_theta))
         else:
             # Proportional RoPE: pairs (i, i + d/2), frequency theta^(-2i/d) for the first
             # rope_pairs pairs, 0 (an infinite period) for the rest. MLX takes periods.
             n = spec.rope_pairs
             periods = [spec.rope_theta ** (2 * i / d) for i in range(n)] + [math.inf] * (d // 2 - n)
             self._rope = dict(base=None, freqs=mx.array(periods, dtype=mx.float32))
+            self._inv_freq = mx.array(inverse_frequencies(d, periods=periods))
 
     def rope(self, x: mx.array, offset) -> mx.array:
         """x [B, heads, T, d] at positions offset..offset+T-1 (offset: int or int32 array)."""
@@ -118,7 +120,7 @@ class Attention(nn.Module):
             hkv = 0 if s.kv_shared else s.num_kv_heads
             return norm_rope(y, (s.num_heads, hkv, s.head_dim, s.k_eq_v), self.q_norm.weight,
                              None if s.kv_shared else self.k_norm.weight, q_pos, self.q_norm.eps,
-                             self._rope["base"], self._rope["freqs"])  # fmt: skip
+                             self._inv_freq)  # fmt: skip
         q, *kv = self.project(x)
         q = self.rope(self.q_norm(q.reshape(B, T, s.num_heads, s.head_dim)).transpose(0, 2, 1, 3), offset)
         if s.kv_shared:

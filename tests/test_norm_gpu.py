@@ -44,7 +44,7 @@ def test_kernel_matches_oracle_and_mlx(d, dtype, scale, nxt):
             g = np.array(got.astype(mx.float32))
             if bf16:  # one bf16 step where the f32 sum order moves a value across a rounding boundary
                 assert np.allclose(g, want, rtol=8e-3, atol=1e-2)
-                assert np.mean(g != np.array(ref.astype(mx.float32))) < 0.01  # MLX's ops: nearly all bits equal
+                assert np.sum(g != np.array(ref.astype(mx.float32))) <= max(2, 0.01 * g.size)  # nearly all bits equal MLX's
             else:
                 assert np.allclose(g, want, rtol=2e-5, atol=1e-5)
                 assert np.allclose(g, np.array(ref), rtol=2e-5, atol=1e-5)

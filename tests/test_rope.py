@@ -19,11 +19,10 @@ def test_reference_matches_oracle(heads, full, pos0):
     y = (rng.standard_normal((2, 3, (hq + (1 if k_eq_v else 2) * hkv) * d)) * 2).astype(np.float32)
     w_q, w_k = rng.uniform(0.3, 2, d).astype(np.float32), rng.uniform(0.3, 2, d).astype(np.float32)
     pos = np.arange(pos0, pos0 + 3, dtype=np.int32)
-    periods = np.array([1e6 ** (2 * i / d) for i in range(d // 8)] + [np.inf] * (d // 2 - d // 8), np.float32)
-    kw = dict(periods=periods) if full else dict(base=10_000.0)
-    want = rope.norm_rope_np(y, heads, w_q, w_k, pos, 1e-6, **kw)
-    kwm = dict(periods=mx.array(periods)) if full else dict(base=10_000.0)
-    got = rope.norm_rope(mx.array(y), heads, mx.array(w_q), mx.array(w_k), mx.array(pos), 1e-6, **kwm)
+    periods = [1e6 ** (2 * i / d) for i in range(d // 8)] + [np.inf] * (d // 2 - d // 8)
+    inv = rope.inverse_frequencies(d, periods=periods) if full else rope.inverse_frequencies(d, base=10_000.0)
+    want = rope.norm_rope_np(y, heads, w_q, w_k, pos, 1e-6, inv)
+    got = rope.norm_rope(mx.array(y), heads, mx.array(w_q), mx.array(w_k), mx.array(pos), 1e-6, mx.array(inv))
     for g, w in zip(got, want):
         assert (g is None) == (w is None)
         if w is not None:
@@ -33,14 +32,18 @@ def test_reference_matches_oracle(heads, full, pos0):
 
 def test_errors():
     y, w, pos = mx.zeros((1, 1, 3 * 64)), mx.ones((64,)), mx.array([0], dtype=mx.int32)
+    inv = mx.array(rope.inverse_frequencies(64, base=1e4))
     with pytest.raises(ValueError, match="expected for heads"):
-        rope.norm_rope(y, (2, 1, 64, False), w, w, pos, 1e-6, base=1e4)
+        rope.norm_rope(y, (2, 1, 64, False), w, w, pos, 1e-6, inv)
     with pytest.raises(ValueError, match="multiple of 64"):
-        rope.norm_rope(mx.zeros((1, 1, 96)), (3, 0, 32, False), mx.ones((32,)), None, pos, 1e-6, base=1e4)
+        rope.norm_rope(mx.zeros((1, 1, 96)), (3, 0, 32, False), mx.ones((32,)), None, pos, 1e-6, inv[:16])
     with pytest.raises(ValueError, match="positions"):
-        rope.norm_rope(y, (1, 1, 64, False), w, w, mx.array([0, 1], dtype=mx.int32), 1e-6, base=1e4)
-    with pytest.raises(ValueError, match="either base or periods"):
-        rope.norm_rope(y, (1, 1, 64, False), w, w, pos, 1e-6)
+        rope.norm_rope(y, (1, 1, 64, False), w, w, mx.array([0, 1], dtype=mx.int32), 1e-6, inv)
+    with pytest.raises(ValueError, match="inv_freq"):
+        rope.norm_rope(y, (1, 1, 64, False), w, w, pos, 1e-6, inv[:8])
+    for bad in (dict(), dict(base=1e4, periods=[1.0] * 32), dict(periods=[1.0] * 8)):
+        with pytest.raises(ValueError):
+            rope.inverse_frequencies(64, **bad)
 
 
 class _Joined:

@@ -43,13 +43,12 @@ def test_kernel_matches_oracle_and_mlx(shape, dtype):
         if bf16:
             y, w_q, w_k = (bf16_to_f32(f32_to_bf16(a)) for a in (y, w_q, w_k))
         pos = np.arange(pos0, pos0 + T, dtype=np.int32)
-        kw_np = dict(periods=_periods(d)) if full else dict(base=10_000.0)
-        kw = dict(periods=mx.array(_periods(d))) if full else dict(base=10_000.0)
-        want = rope.norm_rope_np(y, heads, w_q, w_k, pos, 1e-6, bf16=bf16, **kw_np)
+        inv = rope.inverse_frequencies(d, periods=_periods(d)) if full else rope.inverse_frequencies(d, base=1e4)
+        want = rope.norm_rope_np(y, heads, w_q, w_k, pos, 1e-6, inv, bf16=bf16)
         args = (mx.array(y).astype(dtype), heads, mx.array(w_q).astype(dtype), mx.array(w_k).astype(dtype),
-                mx.array(pos), 1e-6)  # fmt: skip
-        got = rope.norm_rope(*args, **kw)
-        ref = rope.norm_rope_reference(*args, **kw)
+                mx.array(pos), 1e-6, mx.array(inv))  # fmt: skip
+        got = rope.norm_rope(*args)
+        ref = rope.norm_rope_reference(*args)
         for g, w, r in zip(got, want, ref):
             assert (g is None) == (w is None) == (r is None)
             if w is None:
@@ -58,11 +57,8 @@ def test_kernel_matches_oracle_and_mlx(shape, dtype):
             if bf16:  # one bf16 step where an f32 ulp moves a value across a rounding boundary
                 assert np.allclose(g32, w, rtol=8e-3, atol=2e-2), (T, pos0)
             else:
-                # the angle p * f in f32: with RoPE's base, f comes from the device's exp2, within
-                # 2 ulp of the oracle's correctly rounded one, which p multiplies (periods: exact)
-                atol = 2e-4 if full or pos0 < 8192 else 2e-4 + 8 * (pos0 + T) * 2.0**-23
-                assert np.allclose(g32, w, rtol=2e-4, atol=atol), (T, pos0)
-            if pos0 < 8192:  # MLX's rope: same math (its cos/sin may be the fast ones at large angles)
+                assert np.allclose(g32, w, rtol=2e-5, atol=2e-5), (T, pos0)
+            if pos0 < 8192:  # MLX's rope: its frequencies 1 / (1 / f) may be an ulp off f, which p multiplies
                 assert np.allclose(g32, np.array(r.astype(mx.float32)), rtol=1e-2, atol=3e-2), (T, pos0)
 
 
@@ -72,8 +68,9 @@ def test_outputs_fully_written():
     y = mx.array(rng.standard_normal((1, 2, 64 * 256)).astype(np.float32)).astype(mx.bfloat16)
     w = mx.ones((256,), mx.bfloat16)
     mx.eval(mx.full((1 << 22,), float("nan"), mx.bfloat16))
-    out = rope.norm_rope(y, heads, w, w, mx.array([5, 6], dtype=mx.int32), 1e-6, base=10_000.0)
-    again = rope.norm_rope(y, heads, w, w, mx.array([5, 6], dtype=mx.int32), 1e-6, base=10_000.0)
+    inv = mx.array(rope.inverse_frequencies(256, base=10_000.0))
+    out = rope.norm_rope(y, heads, w, w, mx.array([5, 6], dtype=mx.int32), 1e-6, inv)
+    again = rope.norm_rope(y, heads, w, w, mx.array([5, 6], dtype=mx.int32), 1e-6, inv)
     for a, b in zip(out, again):
         a32, b32 = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
         assert not np.isnan(a32).any() and np.array_equal(a32, b32)
