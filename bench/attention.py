@@ -38,13 +38,6 @@ GEOMETRIES = {
     "chunk128": dict(min_chunk=128, target_groups=1024),
     "chunk64_t2048": dict(min_chunk=64, target_groups=2048),
     "chunk32_t2048": dict(min_chunk=32, target_groups=2048),
-    "simd2_u4": dict(simd_rows=2, simd_groups=4, slots_batch=4),
-    "simd1_nsg8_u4": dict(simd_rows=1, simd_groups=8, slots_batch=4),
-    "simd2_u8_chunk64": dict(simd_rows=2, simd_groups=4, slots_batch=8, min_chunk=64, target_groups=2048),
-    "simd2_u2": dict(simd_rows=2, simd_groups=4, slots_batch=2),
-    # one-warp threadgroups (G * M <= simd_rows) need many more partitions to fill the GPU
-    "simd2_u4_c8": dict(simd_rows=2, simd_groups=4, slots_batch=4, tile=8, min_chunk=8, target_groups=8192),
-    "simd2_u8_c16": dict(simd_rows=2, simd_groups=4, slots_batch=8, tile=16, min_chunk=16, target_groups=8192),
     "chunk64_t2048_tile64": dict(min_chunk=64, target_groups=2048, tile=64),
 }
 

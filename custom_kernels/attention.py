@@ -49,9 +49,6 @@ Kernel design (one body for Metal and CUDA through ``custom_kernels.dialect``):
 2. ``g4_attn_decode_merge``: one threadgroup per output row merges the partitions in ascending
    order (global max first, then sum of exp(m_p - max) * (l_p, acc_p)), divides, and writes q's
    dtype. Fixed order: deterministic, bit-identical run to run.
-3. ``g4_attn_decode_simd`` (opt-in, ``AttentionConfig.simd_rows > 0``; not yet run on a GPU): the
-   same partials from one SIMD group per few query rows, each walking its partition alone with
-   its rows, K/V rows in flight and outputs in registers (see _SIMD_BODY).
 
 Shape stability: the grid has P partitions fixed by the capacity S (so one compiled decode step
 serves every token); the valid length ``n_slots`` is an input array, and each partition's slot
@@ -405,115 +402,6 @@ _PARTIAL_BODY = r"""
   }
 """
 
-# Template arguments of the per-SIMD-group partial kernel (same outputs as the tiled one, for the
-# same merge): T, KT, D, G, M, WIN, TS, CMIN as above;
-#   QTS  query rows per SIMD group       NSG  SIMD groups per threadgroup (each its own rows)
-#   U    slots whose K and V rows a SIMD group requests before it uses any of them
-# Grid: x = 32*NSG threads x (B * n_kv), y = P partitions, z = ceil(G*M / (QTS*NSG)).
-# Each SIMD group walks its partition alone (no threadgroup memory, no barriers): lane l holds
-# elements 4l + 128j + {0..3} (j < D/128; E = D/32 in all) of its query rows, of the U key and
-# value rows in flight and of its output rows, so each 4-element load of the warp reads 128
-# consecutive elements; a score is one SIMD sum; the online softmax runs per batch of U slots. The
-# SIMD groups of a threadgroup read the same K/V rows (other query rows of the kv head) close in
-# time, so the repeats are served by L1. Slots none of the SIMD group's rows may attend are never
-# read (tested row by row, so gaps between q positions are safe here).
-_SIMD_BODY = r"""
-  // gemma4-mlx attn_decode_simd: decode attention over one sequence partition, one SIMD group per QTS rows
-  constexpr int QR = G * M;
-  constexpr int E = D / 32;
-  const float NEG_INF = g4_as_float(0xff800000u);
-  const int lane = $lane;
-  const int bh = $tg_x;
-  const int part = $tg_y;
-  const int r0 = ($tg_z * NSG + $simd) * QTS;
-  if (r0 >= QR) return;
-  const int nparts = @NPART@;
-  const int S = k_shape[2];
-  const int nslots = n_slots[0] < 0 ? 0 : (n_slots[0] > S ? S : n_slots[0]);
-  const int chunk = g4_attn_chunk(nslots, nparts, CMIN, TS);
-  const int start = part * chunk;
-  if (start >= nslots) return;  // an idle partition: the merge skips it
-  const int end = start + chunk < nslots ? start + chunk : nslots;
-
-  float qv[QTS][E];
-  int qp[QTS];
-  $unroll for (int i = 0; i < QTS; ++i) {
-    const int r = r0 + i < QR ? r0 + i : r0;  // rows past QR repeat row r0 and are not written
-    qp[i] = qpos[r % M];
-    const $device T* qr = q + ((size_t)bh * QR + r) * D + 4 * lane;
-    $unroll for (int j = 0; j < E; j += 4) g4_load4(qr + 32 * j, &qv[i][j]);
-  }
-  float m_run[QTS];
-  float l_run[QTS];
-  float acc[QTS][E];
-  $unroll for (int i = 0; i < QTS; ++i) {
-    m_run[i] = NEG_INF;
-    l_run[i] = 0.0f;
-    $unroll for (int e = 0; e < E; ++e) acc[i][e] = 0.0f;
-  }
-  const $device KT* kbase = k + (size_t)bh * S * D + 4 * lane;
-  const $device KT* vbase = v + (size_t)bh * S * D + 4 * lane;
-
-  for (int s0 = start; s0 < end; s0 += U) {
-    int pos[U];
-    bool any[U];
-    $unroll for (int u = 0; u < U; ++u) {
-      pos[u] = s0 + u < end ? kpos[s0 + u] : -1;
-      any[u] = false;
-      $unroll for (int i = 0; i < QTS; ++i) {
-        any[u] = any[u] || (pos[u] >= 0 && pos[u] <= qp[i] && (WIN == 0 || qp[i] - pos[u] < WIN));
-      }
-    }
-    float kr[U][E];
-    float vr[U][E];
-    $unroll for (int u = 0; u < U; ++u) {
-      if (any[u]) {
-        $unroll for (int j = 0; j < E; j += 4) g4_load4(kbase + (size_t)(s0 + u) * D + 32 * j, &kr[u][j]);
-        $unroll for (int j = 0; j < E; j += 4) g4_load4(vbase + (size_t)(s0 + u) * D + 32 * j, &vr[u][j]);
-      } else {
-        $unroll for (int e = 0; e < E; ++e) { kr[u][e] = 0.0f; vr[u][e] = 0.0f; }
-      }
-    }
-    $unroll for (int i = 0; i < QTS; ++i) {
-      float sc[U];
-      float top = NEG_INF;
-      $unroll for (int u = 0; u < U; ++u) {
-        float t = 0.0f;
-        $unroll for (int e = 0; e < E; ++e) t += qv[i][e] * kr[u][e];
-        t = g4_simd_sum(t);
-        const bool ok = pos[u] >= 0 && pos[u] <= qp[i] && (WIN == 0 || qp[i] - pos[u] < WIN);
-        sc[u] = ok ? t : NEG_INF;
-        top = sc[u] > top ? sc[u] : top;
-      }
-      const float m_new = m_run[i] > top ? m_run[i] : top;
-      if (m_new > NEG_INF) {
-        const float alpha = g4_attn_exp(m_run[i] - m_new);
-        float ps = 0.0f;
-        $unroll for (int e = 0; e < E; ++e) acc[i][e] *= alpha;
-        $unroll for (int u = 0; u < U; ++u) {
-          const float p = g4_attn_exp(sc[u] - m_new);
-          ps += p;
-          $unroll for (int e = 0; e < E; ++e) acc[i][e] += p * vr[u][e];
-        }
-        l_run[i] = l_run[i] * alpha + ps;
-        m_run[i] = m_new;
-      }
-    }
-  }
-
-  const size_t base = ((size_t)bh * nparts + part) * QR;
-  $unroll for (int i = 0; i < QTS; ++i) {
-    const int r = r0 + i;
-    if (r < QR) {
-      if (lane == 0) {
-        ml[(base + r) * 2] = m_run[i];
-        ml[(base + r) * 2 + 1] = l_run[i];
-      }
-      $unroll for (int e = 0; e < E; ++e) pacc[(base + r) * D + 32 * (e & ~3) + 4 * lane + (e & 3)] = acc[i][e];
-    }
-  }
-"""
-
 # Template arguments of the merge kernel: T (output dtype), D, QR (= G * M), TS, CMIN (as in the
 # partial kernel). Grid: x = D/4 threads x (B * n_q * M) output rows; threadgroup D/4.
 # The partitions are independent loads: the threads find the top score together, then take the
@@ -608,8 +496,6 @@ def _text(body: str) -> dict[str, tuple[str, str]]:
 
 _PARTIAL = KernelSource("g4_attn_decode_partial", ("q", "k", "v", "kpos", "qpos", "n_slots"), ("ml", "pacc"),
                       _text(_PARTIAL_BODY))  # fmt: skip
-_SIMD = KernelSource("g4_attn_decode_simd", ("q", "k", "v", "kpos", "qpos", "n_slots"), ("ml", "pacc"),
-                     _text(_SIMD_BODY))  # fmt: skip
 _MERGE = KernelSource("g4_attn_decode_merge", ("ml", "pacc", "n_slots"), ("out",), _text(_MERGE_BODY))
 
 
@@ -625,10 +511,7 @@ class AttentionConfig:
     """Geometry: ``rows`` query rows per threadgroup at most (QT), ``simd_groups`` (NSG),
     ``tile`` slots per tile (TS), ``min_chunk`` slots per partition at least (CMIN),
     ``target_groups`` threadgroups to aim for at full length when choosing the partition count,
-    and ``max_parts`` partitions at most (long caches then get longer partitions).
-    ``simd_rows`` > 0 selects the per-SIMD-group partial kernel (g4_attn_decode_simd) with that
-    many query rows per SIMD group and ``slots_batch`` K/V rows in flight per SIMD group; 0 the
-    tiled one (``rows``, ``tile`` as its tile of slots)."""
+    and ``max_parts`` partitions at most (long caches then get longer partitions)."""
 
     rows: int = 16
     simd_groups: int = 4
@@ -636,8 +519,6 @@ class AttentionConfig:
     min_chunk: int = 256
     target_groups: int = 512
     max_parts: int = 4096
-    simd_rows: int = 0
-    slots_batch: int = 8
 
     def __post_init__(self):
         if not 1 <= self.rows <= 64:
@@ -652,10 +533,6 @@ class AttentionConfig:
             raise ValueError("target_groups must be positive")
         if self.max_parts < 1:
             raise ValueError("max_parts must be positive")
-        if not 0 <= self.simd_rows <= 8:
-            raise ValueError("simd_rows must be 0..8")
-        if self.slots_batch not in (1, 2, 4, 8, 16):
-            raise ValueError("slots_batch must be 1, 2, 4, 8 or 16")
 
 
 GEOMETRY_ENV = "GEMMA4_MLX_ATTENTION_GEOMETRY"
@@ -691,7 +568,6 @@ def partition_layout(n_slots: int, parts: int, min_chunk: int, tile: int) -> tup
 class DecodePlan:
     """Both launches of one decode-attention call."""
 
-    partial_kernel: str  # "tiled" (g4_attn_decode_partial) | "simd" (g4_attn_decode_simd)
     partial_template: list  # [(name, dtype name | int)]
     partial_grid: tuple[int, int, int]
     partial_threadgroup: tuple[int, int, int]
@@ -721,26 +597,19 @@ def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: i
     bh = batch * n_kv
     dv = head_dim // 4
     common = [("T", q_dtype), ("KT", kv_dtype), ("D", head_dim), ("G", g), ("M", m), ("WIN", int(window or 0))]
-    if cfg.simd_rows:  # per-SIMD-group kernel: QTS rows per SIMD group, z-groups of NSG SIMD groups
-        qts = min(cfg.simd_rows, qr)
-        nsg = min(cfg.simd_groups, -(-qr // qts))  # no SIMD group without rows
-        kernel, nt, zs, shared = "simd", 32 * nsg, -(-qr // (qts * nsg)), 0
-        template = common + [("QTS", qts), ("NSG", nsg), ("U", cfg.slots_batch), ("TS", cfg.tile),
-                             ("CMIN", cfg.min_chunk)]  # fmt: skip
-    else:  # tiled kernel: query tiles of QT rows, NSG SIMD groups sharing each K/V tile
-        qt = min(cfg.rows, qr)
-        kernel, nt, zs = "tiled", 32 * cfg.simd_groups, -(-qr // qt)
-        if nt < dv or nt % dv:
-            raise ValueError(f"{nt} threads cannot cover head dim {head_dim} in 4-element vectors "
-                             f"(need a multiple of {dv})")  # fmt: skip
-        shared = 4 * (qt * head_dim + qt * cfg.tile + qt + cfg.tile)
-        if shared > _SHARED_LIMIT[which]:
-            raise ValueError(f"{shared} bytes of threadgroup memory exceed {which}'s {_SHARED_LIMIT[which]}")
-        template = common + [("QT", qt), ("TS", cfg.tile), ("NSG", cfg.simd_groups), ("CMIN", cfg.min_chunk)]
+    # query tiles of QT rows, NSG SIMD groups sharing each K/V tile
+    qt = min(cfg.rows, qr)
+    nt, zs = 32 * cfg.simd_groups, -(-qr // qt)
+    if nt < dv or nt % dv:
+        raise ValueError(f"{nt} threads cannot cover head dim {head_dim} in 4-element vectors "
+                         f"(need a multiple of {dv})")  # fmt: skip
+    shared = 4 * (qt * head_dim + qt * cfg.tile + qt + cfg.tile)
+    if shared > _SHARED_LIMIT[which]:
+        raise ValueError(f"{shared} bytes of threadgroup memory exceed {which}'s {_SHARED_LIMIT[which]}")
+    template = common + [("QT", qt), ("TS", cfg.tile), ("NSG", cfg.simd_groups), ("CMIN", cfg.min_chunk)]
     # partitions: enough to reach target_groups threadgroups, within [1, slots / min_chunk], <= max_parts
     parts = max(1, min(-(-slots // cfg.min_chunk), -(-cfg.target_groups // (bh * zs)), cfg.max_parts))
     return DecodePlan(
-        partial_kernel=kernel,
         partial_template=template,
         partial_grid=(nt * bh, parts, zs),
         partial_threadgroup=(nt, 1, 1),
@@ -783,7 +652,7 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
     B, n_q, M, D, n_kv, S = _check(q, k_cache, v_cache, positions, q_positions, window)
     plan = plan_decode(B, n_q, n_kv, M, S, D, dtype_name(q.dtype), dtype_name(k_cache.dtype), window, config)
     bound = _slots_array(n_slots, S)
-    partial, merge = (_SIMD if plan.partial_kernel == "simd" else _PARTIAL).kernel(), _MERGE.kernel()
+    partial, merge = _PARTIAL.kernel(), _MERGE.kernel()
     ml, pacc = partial(
         inputs=[q, k_cache, v_cache, positions.astype(mx.int32), q_positions.astype(mx.int32), bound],
         template=template_args(plan.partial_template),
@@ -1047,30 +916,6 @@ def _partial_cases(rng: np.random.Generator):
     ]  # fmt: skip
 
 
-def _simd_cases(rng: np.random.Generator):
-    c = AttentionConfig
-    return [
-        # the tiled kernel's first three problems: ring with empty slots and the window edge (3
-        # partitions, the last partial; U = 16 > the partitions' 8 and 4 slots), M = 3 causal with
-        # idle partitions (D = 512, U = 4 with a tail), G = 8 M = 2 rows split 3 per SIMD group over
-        # two SIMD groups and 3 z-groups (a SIMD group with 1 row, rows past QR), a rolled-back slot
-        _partial_case(rng, "float32", "bfloat16", 1, 4, 2, 1, 256, _ring(20, 31, 50, empty=(3, 12)), [50], 12, 20,
-                      c(simd_rows=2, simd_groups=4, tile=8, min_chunk=8, target_groups=6, slots_batch=16)),
-        _partial_case(rng, "bfloat16", "float32", 1, 4, 1, 3, 512, np.arange(24), [10, 11, 12], None, 13,
-                      c(simd_rows=1, simd_groups=8, tile=8, min_chunk=8, target_groups=8, slots_batch=4)),
-        _partial_case(rng, "float32", "float32", 2, 8, 1, 2, 256, _ring(13, 30, 42, empty=(5,), future=(7,)),
-                      [41, 42], 5, 13, c(simd_rows=3, simd_groups=2, tile=8, min_chunk=8, target_groups=8,
-                                         slots_batch=2)),
-        # q positions with a gap (20 and 60, window 4): the slots between are attended by no row
-        _partial_case(rng, "float32", "float32", 1, 1, 1, 2, 128, np.arange(64), [20, 60], 4, 64,
-                      c(simd_rows=2, simd_groups=1, tile=8, min_chunk=8, target_groups=1, slots_batch=4)),
-        # D = 128, one partition of 40 slots in batches of 16 (a 8-slot tail), a wrapped ring, M = 8
-        _partial_case(rng, "bfloat16", "bfloat16", 1, 4, 2, 8, 128, _ring(40, 100, 139, empty=(7,)),
-                      np.arange(132, 140), 30, 40, c(simd_rows=4, simd_groups=4, tile=8, min_chunk=40,
-                                                      target_groups=1, slots_batch=16)),
-    ]  # fmt: skip
-
-
 def _merge_cases(rng: np.random.Generator):
     c = AttentionConfig
     return [
@@ -1098,7 +943,7 @@ def kernel_specs():
     from .registry import KernelSpec
 
     specs = []
-    for kdef, cases in ((_PARTIAL, _partial_cases), (_SIMD, _simd_cases), (_MERGE, _merge_cases)):
+    for kdef, cases in ((_PARTIAL, _partial_cases), (_MERGE, _merge_cases)):
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
         specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs, cases))
     return specs

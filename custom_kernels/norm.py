@@ -13,6 +13,10 @@ to the activations' dtype. Only the order of the f32 sums of squares differs fro
 Kernel (one body for Metal and CUDA, custom_kernels.dialect): one threadgroup of TG threads per
 row; thread t holds elements 2 (t + j TG) and 2 (t + j TG) + 1 in registers (PAIRS pairs), so the
 row is read once; a SIMD sum and a threadgroup sum give each sum of squares.
+
+The model uses it only with the family "norm" named in GEMMA4_MLX_UNPROVEN_KERNELS: it passes
+``pytest -m gpu`` on the H200, but at one row it took more GPU time than the three MLX launches it
+replaces (bench/NOTES.md, session 7).
 """
 
 from __future__ import annotations

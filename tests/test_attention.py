@@ -319,28 +319,6 @@ def test_cuda_partitions_fill_the_gpu_and_stay_bounded():
         at.AttentionConfig(max_parts=0)
 
 
-def test_simd_kernel_plans():
-    """simd_rows > 0 plans the per-SIMD-group partial kernel: every query row in exactly one SIMD
-    group, no SIMD group without rows, the tiled kernel's partial shapes (one merge for both)."""
-    for G, n_kv, M, D, rows, nsg in ((2, 16, 1, 256, 2, 4), (8, 4, 1, 512, 1, 8), (16, 1, 3, 512, 2, 4),
-                                     (4, 2, 8, 256, 3, 2)):
-        cfg = at.AttentionConfig(simd_rows=rows, simd_groups=nsg, tile=32, min_chunk=32, target_groups=4096)
-        plan = at.plan_decode(1, G * n_kv, n_kv, M, 4160, D, "bfloat16", "bfloat16", None, cfg, "cuda")
-        t = dict(plan.partial_template)
-        assert plan.partial_kernel == "simd" and plan.shared_bytes == 0
-        qr = G * M
-        assert t["QTS"] == min(rows, qr) and t["NSG"] * t["QTS"] * plan.partial_grid[2] >= qr
-        assert (plan.partial_grid[2] - 1) * t["NSG"] * t["QTS"] < qr  # the last z-group has rows
-        assert t["NSG"] == 1 or (t["NSG"] - 1) * t["QTS"] < qr
-        assert plan.partial_threadgroup[0] == 32 * t["NSG"] and plan.partial_grid[0] == 32 * t["NSG"] * n_kv
-        tiled = at.plan_decode(1, G * n_kv, n_kv, M, 4160, D, "bfloat16", "bfloat16", None,
-                               at.AttentionConfig(tile=32, min_chunk=32, target_groups=4096), "cuda")  # fmt: skip
-        assert plan.merge_template == tiled.merge_template and plan.partial_shapes[0][2:] == tiled.partial_shapes[0][2:]
-    for bad, match in ((dict(simd_rows=9), "simd_rows"), (dict(slots_batch=3), "slots_batch")):
-        with pytest.raises(ValueError, match=match):
-            at.AttentionConfig(**bad)
-
-
 def test_partials_oracle_merges_to_attention():
     """The float64 per-partition states (the partial kernel's expected outputs) merged as the merge
     kernel does reproduce the attention oracle, idle partitions included."""

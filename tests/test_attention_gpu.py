@@ -104,15 +104,12 @@ def test_kernel_matches_oracle(name, n_q, n_kv, D, layout, dtype):
     at.AttentionConfig(rows=16, simd_groups=8, tile=64, min_chunk=128, target_groups=1024),
     at.AttentionConfig(rows=4, simd_groups=4, tile=8, min_chunk=64, target_groups=64),
     at.AttentionConfig(rows=16, simd_groups=4, tile=32, min_chunk=32, target_groups=8192, max_parts=512),
-    at.AttentionConfig(simd_rows=2, simd_groups=4, tile=32, min_chunk=32, target_groups=4096, slots_batch=4),
-    at.AttentionConfig(simd_rows=1, simd_groups=8, tile=8, min_chunk=24, target_groups=64, slots_batch=16),
 ])  # fmt: skip
 def test_geometries(config):
-    """Other geometries: query tiles (several per kv head), tiles, partition sizes, the per-SIMD-group
-    kernel (simd_rows > 0); D = 512 and 256."""
+    """Other geometries: query tiles (several per kv head), tiles, partition sizes; D = 512 and 256."""
     rng = np.random.default_rng(20)
     for n_q, n_kv, D, M, layout in ((16, 2, 512, 5, "full"), (16, 8, 256, 7, "ring")):
-        if not config.simd_rows and 32 * config.simd_groups < D // 4:  # the tiled kernel's threads cover D
+        if 32 * config.simd_groups < D // 4:  # the threads must cover D
             continue
         pos, qpos, window, n_slots = _layout("x", layout, M)
         args, want, bound = _problem(rng, 2 if layout == "ring" else 1, n_q, n_kv, M, D, pos, qpos, window,
