@@ -195,6 +195,15 @@ def header(dialect: str, extra: str = "") -> str:
     return prelude(dialect) + (render(extra, dialect) if extra else "")
 
 
-def emit(body: str, extra_header: str = "") -> dict[str, tuple[str, str]]:
-    """Both dialects of one kernel: {"metal": (header, source), "cuda": (header, source)}."""
-    return {d: (header(d, extra_header), render(body, d)) for d in DIALECTS}
+def emit(body: str, extra_header: str = "", local: dict | None = None) -> dict[str, tuple[str, str]]:
+    """Both dialects of one kernel: {"metal": (header, source), "cuda": (header, source)}.
+
+    ``local`` = {dialect: {token: text}}: a module's own per-dialect tokens (e.g. "@FN@" for a
+    helper function's qualifiers), replaced in the body and the extra header before rendering."""
+
+    def own(text: str, dialect: str) -> str:
+        for token, value in (local or {}).get(dialect, {}).items():
+            text = text.replace(token, value)
+        return text
+
+    return {d: (header(d, own(extra_header, d)), render(own(body, d), d)) for d in DIALECTS}

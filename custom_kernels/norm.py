@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import KernelSource, dtype_name, template_args, use_reference
-from .dialect import prelude, render
+from .dialect import emit
 
 __all__ = ["kernel_specs", "residual_norm", "residual_norm_reference", "residual_norm_np"]
 
@@ -98,19 +98,8 @@ _LOCAL = {
 }
 
 
-def _text(body: str) -> dict[str, tuple[str, str]]:
-    """{"metal": (header, source), "cuda": (header, source)}."""
-
-    def local(text: str, dialect: str) -> str:
-        for key, value in _LOCAL[dialect].items():
-            text = text.replace(key, value)
-        return render(text, dialect)
-
-    return {d: (prelude(d) + local(_HELPERS, d), local(body, d)) for d in ("metal", "cuda")}
-
-
 _RESIDUAL_NORM = KernelSource("g4_residual_norm", ("h", "a", "w_a", "w_next", "scale", "eps"), ("out", "x"),
-                              _text(_BODY))  # fmt: skip
+                              emit(_BODY, _HELPERS, _LOCAL))  # fmt: skip
 
 MAX_THREADS = 256
 

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import KernelSource, dtype_name, template_args, use_reference
-from .dialect import prelude, render
+from .dialect import emit
 
 __all__ = ["inverse_frequencies", "kernel_specs", "norm_rope", "norm_rope_reference", "norm_rope_np"]
 
@@ -98,17 +98,8 @@ _LOCAL = {
 }  # fmt: skip
 
 
-def _text(body: str) -> dict[str, tuple[str, str]]:
-    def local(text: str, dialect: str) -> str:
-        for key, value in _LOCAL[dialect].items():
-            text = text.replace(key, value)
-        return render(text, dialect)
-
-    return {d: (prelude(d) + local(_HELPERS, d), local(body, d)) for d in ("metal", "cuda")}
-
-
 _NORM_ROPE = KernelSource("g4_norm_rope", ("y", "w_q", "w_k", "positions", "inv_freq", "eps"),
-                          ("q_out", "k_out", "v_out"), _text(_BODY))  # fmt: skip
+                          ("q_out", "k_out", "v_out"), emit(_BODY, _HELPERS, _LOCAL))  # fmt: skip
 
 SIMD_GROUPS = 4
 
