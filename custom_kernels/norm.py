@@ -8,7 +8,8 @@ take three or four launches: rms_norm, the add (and scale), rms_norm).
 Semantics (kernel, ``residual_norm_reference`` and the tests' oracle), rounding as MLX's ops do:
 out = T(h + T(w_a * T(a * r(a)))), then out = T(out * scale) if a scale is given, and
 x = T(w_next * T(out * r(out))), with r(v) = 1 / sqrt(mean(v^2) + eps) in f32 and T() the rounding
-to the activations' dtype. Only the order of the f32 sums of squares differs from MLX's rms_norm.
+to the activations' dtype. Only the order of the f32 sums of squares and 1 / sqrt (MLX: rsqrt)
+differ from MLX's rms_norm.
 
 Kernel (one body for Metal and CUDA, custom_kernels.dialect): one threadgroup of TG threads per
 row; thread t holds elements 2 (t + j TG) and 2 (t + j TG) + 1 in registers (PAIRS pairs), so the
