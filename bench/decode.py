@@ -644,9 +644,8 @@ def stages(full_ms: float, variants: dict) -> dict:
 
 
 def hardware() -> dict:
-    families = ("quant_matvec", "attention", "sampling")
     return {**hardware_info(), "kernels": not custom_kernels.use_reference(),
-            "kernel_families": [f for f in families if custom_kernels.use_kernel(f)]}
+            "kernel_families": sorted(f for f in custom_kernels.FAMILIES if custom_kernels.use_kernel(f))}
 
 
 def _version(dist: str) -> str | None:

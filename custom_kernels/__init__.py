@@ -24,7 +24,7 @@ import mlx.core as mx
 
 __all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "mlx_kernel_name", "clear_kernel_cache",
            "KernelSource", "MX_DTYPES", "dtype_name", "template_args", "KERNELS_ENV", "UNPROVEN_ENV",
-           "geometry_override"]
+           "PROVEN", "FAMILIES", "geometry_override"]
 
 KERNELS_ENV = "GEMMA4_MLX_KERNELS"
 """Environment variable: ``reference`` forces the pure-MLX references even on a GPU build."""
@@ -39,6 +39,9 @@ PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "samplin
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests). The exact texts
 that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
+
+FAMILIES = PROVEN | {"norm", "norm_rope"}
+"""Every op family the model can use: the PROVEN ones and the opt-in ones (UNPROVEN_ENV)."""
 
 _kernel_cache: dict[tuple, Callable] = {}
 
@@ -91,6 +94,8 @@ def use_kernel(family: str) -> bool:
     ``GEMMA4_MLX_KERNELS=reference``, and the family proven on hardware (or opted into through
     ``GEMMA4_MLX_UNPROVEN_KERNELS``). A kernel becomes a default only after it climbs the
     correctness ladder (design.md), including ``pytest -m gpu``."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(sorted(FAMILIES))}")
     if use_reference():
         return False
     opted = {f.strip() for f in os.environ.get(UNPROVEN_ENV, "").split(",") if f.strip()}

@@ -31,3 +31,19 @@ def test_every_kernel_is_tested_or_pending():
         f"not recorded: {sorted(names - set(RECORD['kernels']) - pending)}; "
         f"recorded but gone: {sorted((set(RECORD['kernels']) | pending) - names)}"
     )
+
+
+def test_families_known_and_checked(monkeypatch):
+    """use_kernel knows every family the code asks for and rejects a misspelt one (a typo would
+    otherwise silently keep a kernel off); opt-in families need UNPROVEN_ENV, on a GPU build."""
+    import pytest
+
+    assert custom_kernels.PROVEN < custom_kernels.FAMILIES
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        custom_kernels.use_kernel("norm-rope")
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    monkeypatch.delenv(custom_kernels.KERNELS_ENV, raising=False)
+    monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
+    assert custom_kernels.use_kernel("router") and not custom_kernels.use_kernel("norm")
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "norm, norm_rope")
+    assert custom_kernels.use_kernel("norm") and custom_kernels.use_kernel("norm_rope")

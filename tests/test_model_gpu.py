@@ -29,7 +29,7 @@ pytestmark = [
 
 VARIANTS = ("dense", "moe", "eseries")
 # every family, opt-in ones too (GEMMA4_TEST_GPU_FAMILIES narrows the list, e.g. to the default ones)
-ALL_KERNELS = os.environ.get("GEMMA4_TEST_GPU_FAMILIES", "attention,sampling,quant_matvec_stream,router,norm,norm_rope")
+ALL_KERNELS = os.environ.get("GEMMA4_TEST_GPU_FAMILIES", ",".join(sorted(custom_kernels.FAMILIES)))
 GREEDY_TOKENS = 64
 MARGIN = 1.0  # a top-2 logit margin above this must not flip between the paths
 
