@@ -153,16 +153,18 @@ def residual_norm(h, a, w_a, w_next, eps: float, scale=None):
     rows = int(np.prod(h.shape[:-1], dtype=np.int64))
     tg, _ = _geometry(d)
     nxt = w_next is not None
+    # the kernel indexes rows flat: no reshapes, and unread inputs are stand-ins, not new nodes
+    # (every graph node costs host time in the decode step)
     out, x = _RESIDUAL_NORM.kernel()(
-        inputs=[h.reshape(rows, d), a.reshape(rows, d), w_a, w_next if nxt else w_a,
-                scale.reshape(1) if scale is not None else w_a[:1], mx.array([eps], dtype=mx.float32)],
+        inputs=[h, a, w_a, w_next if nxt else w_a, scale if scale is not None else w_a,
+                mx.array([eps], dtype=mx.float32)],
         template=template_args(_template(dtype_name(h.dtype), d, scale is not None, nxt)),
         grid=(tg * rows, 1, 1),
         threadgroup=(tg, 1, 1),
-        output_shapes=[(rows, d), (rows, d) if nxt else (1,)],
+        output_shapes=[h.shape, h.shape if nxt else (1,)],
         output_dtypes=[h.dtype, h.dtype],
     )
-    return out.reshape(h.shape), (x.reshape(h.shape) if nxt else None)
+    return out, (x if nxt else None)
 
 
 # --------------------------------------------------------------------------------------------
