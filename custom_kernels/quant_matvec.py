@@ -569,6 +569,34 @@ _STORE_DENSE = """
   }
 """
 
+# k_split (KS > 1): KS SIMD groups share a set of R rows, each taking every KS-th run of BPI
+# blocks; their per-row sums meet in threadgroup memory and the first group of the set adds them
+# in ascending order (deterministic). Small N (o_proj, FFN down: N = 5376) then still puts
+# enough warps, and bytes, in flight.
+_SPLIT_ROW0 = ("($tg_x * NSG + $simd) * R", "($tg_x * (NSG / KS) + $simd / KS) * R")
+_SPLIT_LOOP = ("for (int b = lane / LPB; b < nblocks; b += BPI)",
+               "for (int b = ($simd % KS) * BPI + lane / LPB; b < nblocks; b += BPI * KS)")  # fmt: skip
+
+_STORE_DENSE_SPLIT = """
+  $shared float kpart[NSG * RT * MX];
+  $unroll for (int i = 0; i < RT; ++i) {
+    $unroll for (int m = 0; m < MX; ++m) {
+      const float s = g4_simd_sum(acc[i][m]);
+      if (lane == 0) kpart[($simd * RT + i) * MX + m] = s;
+    }
+  }
+  $barrier;
+  if ($simd % KS == 0) {
+    for (int e = lane; e < RT * MX; e += 32) {
+      const int i = e / MX;
+      const int m = e % MX;
+      float s = kpart[($simd * RT + i) * MX + m];
+      for (int j = 1; j < KS; ++j) s += kpart[(($simd + j) * RT + i) * MX + m];
+      if (row0 + i < N) out[(size_t)m * N + row0 + i] = static_cast<T>(s);
+    }
+  }
+"""
+
 _STORE_GATHER = """
   $unroll for (int i = 0; i < RT; ++i) {
     const float s = g4_simd_sum(acc[i][0]);
@@ -602,7 +630,7 @@ class _KernelDef:
     text: dict  # {"metal": (header, source), "cuda": (header, source)}
 
 
-def _body(ggml_type: int, kind: str, in_place: bool = False) -> str:
+def _body(ggml_type: int, kind: str, in_place: bool = False, k_split: bool = False) -> str:
     setup = {"dense": _SETUP_DENSE, "gather": _SETUP_GATHER, "gate_up": _SETUP_GATE_UP}[kind]
     rows = _ROWS_GATE_UP if kind == "gate_up" else _ROWS_PLAIN
     mx_rows = "  constexpr int MX = M;\n" if kind == "dense" else "  constexpr int MX = 1;\n"
@@ -622,35 +650,40 @@ def _body(ggml_type: int, kind: str, in_place: bool = False) -> str:
             .replace("@BLOCK_BYTES@", str(_fmt(ggml_type).block_bytes))
         )
     store = {"dense": _STORE_DENSE, "gather": _STORE_GATHER, "gate_up": _STORE_GATE_UP}[kind]
-    name = f"{_fmt(ggml_type).name}_{kind}" + ("_inplace" if in_place else "")
+    if k_split:
+        assert kind == "dense" and ggml_type != Q6_K and _SPLIT_LOOP[0] in loop
+        setup, loop, store = setup.replace(*_SPLIT_ROW0), loop.replace(*_SPLIT_LOOP), _STORE_DENSE_SPLIT
+    name = f"{_fmt(ggml_type).name}_{kind}" + ("_inplace" if in_place else "") + ("_ksplit" if k_split else "")
     return f"  // gemma4-mlx {name}: fused dequantize x matvec on raw GGUF blocks\n" + (
         setup + rows + mx_rows + loop + store
     )
 
 
-def _make_def(ggml_type: int, kind: str, in_place: bool = False) -> _KernelDef:
+def _make_def(ggml_type: int, kind: str, in_place: bool = False, k_split: bool = False) -> _KernelDef:
     fmt = _fmt(ggml_type)
     name = {
         "dense": f"g4_{fmt.name}_matvec",
         "gather": f"g4_{fmt.name}_matvec_gather",
         "gate_up": f"g4_{fmt.name}_gate_up_gather",
-    }[kind] + ("_inplace" if in_place else "")
+    }[kind] + ("_inplace" if in_place else "") + ("_ksplit" if k_split else "")
     inputs = ("x", "wq") if kind == "dense" else ("x", "ids", "wq")
     tmpl = ["T"]
     tmpl += ["M"] if kind == "dense" else []
     tmpl += ["R", "NSG"]
     tmpl += [] if ggml_type == Q6_K else ["LPB"]
     tmpl += ["XPP"] if kind == "gather" else []
-    return _KernelDef(name, kind, ggml_type, inputs, ("out",), tuple(tmpl), emit(_body(ggml_type, kind, in_place)))
+    tmpl += ["KS"] if k_split else []
+    body = _body(ggml_type, kind, in_place, k_split)
+    return _KernelDef(name, kind, ggml_type, inputs, ("out",), tuple(tmpl), emit(body))
 
 
 _KERNEL_DEFS: dict[tuple, _KernelDef] = {}
 
 
-def _kernel_def(ggml_type: int, kind: str, in_place: bool = False) -> _KernelDef:
-    key = (ggml_type, kind, in_place)
+def _kernel_def(ggml_type: int, kind: str, in_place: bool = False, k_split: bool = False) -> _KernelDef:
+    key = (ggml_type, kind, in_place, k_split)
     if key not in _KERNEL_DEFS:
-        _KERNEL_DEFS[key] = _make_def(ggml_type, kind, in_place)
+        _KERNEL_DEFS[key] = _make_def(ggml_type, kind, in_place, k_split)
     return _KERNEL_DEFS[key]
 
 
@@ -672,12 +705,15 @@ projections), e.g. "rows_per_simd=1,simd_groups=4,lanes_per_block=1" (tuning).""
 class KernelConfig:
     """Geometry of one launch: R rows per SIMD group, NSG SIMD groups per threadgroup, LPB lanes
     per 32-weight block (ignored for Q6_K); in_place = 1 runs the in-place decode variant of the
-    dense Q4_0 / Q8_0 kernel (opt-in, see _DOT_Q4_0)."""
+    dense Q4_0 / Q8_0 kernel (opt-in, see _DOT_Q4_0); k_split > 1 runs the dense Q4_0 / Q8_0
+    kernel with that many SIMD groups sharing each set of R rows (see _STORE_DENSE_SPLIT), so a
+    threadgroup covers R * NSG / k_split rows."""
 
     rows_per_simd: int = 4
     simd_groups: int = 2
     lanes_per_block: int = 2
     in_place: int = 0
+    k_split: int = 1
 
     def __post_init__(self):
         if self.rows_per_simd < 1 or self.rows_per_simd > 8:
@@ -688,6 +724,8 @@ class KernelConfig:
             raise ValueError("lanes_per_block must be 1, 2 or 4")
         if self.in_place not in (0, 1):
             raise ValueError("in_place must be 0 or 1")
+        if self.k_split not in (1, 2, 4, 8) or self.simd_groups % self.k_split:
+            raise ValueError("k_split must be 1, 2, 4 or 8 and divide simd_groups")
 
 
 def default_config(ggml_type: int, kind: str, m: int, n: int, k: int, pairs: int = 1,
@@ -726,6 +764,7 @@ class LaunchPlan:
     threadgroup: tuple[int, int, int]
     output_shape: tuple[int, ...]
     in_place: bool = False  # the dense kernel's in-place decode variant
+    k_split: bool = False  # the dense kernel's split-K variant (template KS)
 
 
 def plan_launch(ggml_type: int, kind: str, dtype_name: str, m: int, n: int, k: int,
@@ -738,6 +777,9 @@ def plan_launch(ggml_type: int, kind: str, dtype_name: str, m: int, n: int, k: i
     r, nsg, lpb = cfg.rows_per_simd, cfg.simd_groups, cfg.lanes_per_block
     if cfg.in_place and (kind != "dense" or ggml_type == Q6_K):
         raise ValueError("in_place decode exists for the dense Q4_0 / Q8_0 kernels only")
+    ks = cfg.k_split
+    if ks > 1 and (kind != "dense" or ggml_type == Q6_K):
+        raise ValueError("k_split exists for the dense Q4_0 / Q8_0 kernels only")
     template: list = [("T", dtype_name)]
     if kind == "dense":
         template.append(("M", m))
@@ -746,11 +788,13 @@ def plan_launch(ggml_type: int, kind: str, dtype_name: str, m: int, n: int, k: i
         template.append(("LPB", lpb))
     if kind == "gather":
         template.append(("XPP", int(bool(x_per_pair))))  # an int: MLX spells bools 1/0 on Metal
-    groups = math.ceil(n / (r * nsg))
+    if ks > 1:
+        template.append(("KS", ks))
+    groups = math.ceil(n / (r * nsg // ks))
     threads = 32 * nsg
     grid = (groups * threads, pairs, 1)
     out_shape = (m, n) if kind == "dense" else (m, slots, n)
-    return LaunchPlan(template, grid, (threads, 1, 1), out_shape, bool(cfg.in_place))
+    return LaunchPlan(template, grid, (threads, 1, 1), out_shape, bool(cfg.in_place), ks > 1)
 
 
 def _run(kdef: _KernelDef | KernelSource, inputs: Sequence[mx.array], plan: LaunchPlan, dtype: mx.Dtype,
@@ -774,7 +818,8 @@ def launch_dense(x2: mx.array, blocks: mx.array, ggml_type: int, n: int,
     """Run the dense kernel on x2 [M <= 8, K] (no fallback; GPU builds only) -> [M, N]."""
     m, k = x2.shape
     plan = plan_launch(ggml_type, "dense", dtype_name(x2.dtype), m, n, k, config=config)
-    return _run(_kernel_def(ggml_type, "dense", plan.in_place), [x2, blocks], plan, x2.dtype, init_value)
+    kdef = _kernel_def(ggml_type, "dense", plan.in_place, plan.k_split)
+    return _run(kdef, [x2, blocks], plan, x2.dtype, init_value)
 
 
 def launch_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, n: int,
@@ -1668,16 +1713,21 @@ def _cases(ggml_type: int, kind: str):
     return make
 
 
-def _in_place_cases(ggml_type: int):
-    """The in-place decode variant: every lanes-per-block split, M = 1..8, odd N, K tails."""
+def _variant_cases(ggml_type: int, in_place: bool, k_split: bool):
+    """The dense kernel's in-place decode and/or split-K variants: every lanes-per-block split,
+    M = 1..8, odd N, K tails (split-K: runs of blocks that end inside a split, rows past N in a
+    threadgroup's last row set, more (row, m) sums than lanes)."""
 
     def make(rng: np.random.Generator):
-        c = KernelConfig
+        def c(r, nsg, lpb, ks):
+            return KernelConfig(r, nsg, lpb, int(in_place), ks if k_split else 1)
+
         return [
-            _dense_case(rng, ggml_type, "float32", 1, 13, 96, c(2, 2, 2, in_place=1)),
-            _dense_case(rng, ggml_type, "bfloat16", 1, 21, 1056, c(4, 2, 1, in_place=1)),
-            _dense_case(rng, ggml_type, "float32", 5, 7, 160, c(3, 1, 4, in_place=1)),
-            _dense_case(rng, ggml_type, "bfloat16", 8, 9, 64, c(2, 2, 4, in_place=1)),
+            _dense_case(rng, ggml_type, "float32", 1, 13, 1056, c(2, 2, 2, 2)),
+            _dense_case(rng, ggml_type, "bfloat16", 1, 21, 1056, c(4, 4, 1, 4)),
+            _dense_case(rng, ggml_type, "float32", 5, 7, 800, c(3, 2, 4, 2)),
+            _dense_case(rng, ggml_type, "bfloat16", 8, 9, 320, c(2, 2, 4, 2)),
+            _dense_case(rng, ggml_type, "float32", 8, 11, 2080, c(5, 8, 2, 8)),
         ]
 
     return make
@@ -1775,8 +1825,9 @@ def kernel_specs():
         specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs,
                                 _cases(ggml_type, kind)))  # fmt: skip
     for ggml_type in (Q4_0, Q8_0):
-        kdef = _kernel_def(ggml_type, "dense", in_place=True)
-        (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
-        specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs,
-                                _in_place_cases(ggml_type)))  # fmt: skip
+        for in_place, k_split in ((True, False), (False, True), (True, True)):
+            kdef = _kernel_def(ggml_type, "dense", in_place, k_split)
+            (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
+            specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs,
+                                    _variant_cases(ggml_type, in_place, k_split)))  # fmt: skip
     return specs

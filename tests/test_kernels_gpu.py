@@ -21,6 +21,8 @@ CONFIGS = [None, qm.KernelConfig(4, 2, 2), qm.KernelConfig(4, 4, 4), qm.KernelCo
            qm.KernelConfig(3, 2, 2), qm.KernelConfig(8, 1, 4)]  # fmt: skip  (None = dispatch default)
 IN_PLACE_CONFIGS = [qm.KernelConfig(2, 2, 2, 1), qm.KernelConfig(4, 2, 2, 1), qm.KernelConfig(2, 2, 1, 1),
                     qm.KernelConfig(2, 2, 4, 1)]  # fmt: skip
+K_SPLIT_CONFIGS = [qm.KernelConfig(2, 4, 2, 0, 4), qm.KernelConfig(2, 4, 2, 1, 4), qm.KernelConfig(2, 2, 2, 0, 2),
+                   qm.KernelConfig(2, 8, 2, 1, 2), qm.KernelConfig(5, 8, 1, 0, 8)]  # fmt: skip
 
 
 def _acts(rng, shape, dtype):
@@ -71,14 +73,14 @@ def test_dense_kernels(fmt, k, dtype):
 @pytest.mark.parametrize("fmt,k", [("q4_0", 5376), ("q8_0", 1056), ("q6_k", 1280)])
 def test_dense_geometries(fmt, k):
     """Other launch geometries (rows per SIMD group, SIMD groups, lanes per block), f32, M = 1 and 7;
-    the in-place decode variant (Q4_0 / Q8_0) at four geometries in f32 and bf16."""
+    the in-place decode and split-K variants (Q4_0 / Q8_0) at several geometries in f32 and bf16."""
     ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0, "q6_k": qm.Q6_K}[fmt]
     rng = np.random.default_rng(15)
     n = 1003
     raw = qm.random_blocks(rng, ggml_type, (n,), k)
     w64 = qm.dequantize_f64(raw, ggml_type)
     blocks = mx.array(raw)
-    in_place = [] if ggml_type == qm.Q6_K else IN_PLACE_CONFIGS
+    in_place = [] if ggml_type == qm.Q6_K else IN_PLACE_CONFIGS + K_SPLIT_CONFIGS
     for dtype, configs in ((mx.float32, CONFIGS[1:] + in_place), (mx.bfloat16, in_place)):
         for m in (1, 7):
             x, x64 = _acts(rng, (m, k), dtype)

@@ -353,6 +353,23 @@ def test_in_place_decode_plans(monkeypatch):
     assert qm.default_config(qm.Q4_0, "dense", 1, 5376, 21504, which="cuda").in_place == 1
 
 
+def test_k_split_plans(monkeypatch):
+    """k_split > 1 selects the dense split-K kernel: a threadgroup covers R * NSG / k_split rows,
+    KS is a template constant; it must divide simd_groups; other kinds and Q6_K refuse it."""
+    plan = qm.plan_launch(qm.Q4_0, "dense", "bfloat16", 1, 5376, 21504, config=qm.KernelConfig(2, 4, 2, 1, 4))
+    assert plan.k_split and plan.in_place and ("KS", 4) in plan.template
+    assert plan.grid == (5376 // 2 * 128, 1, 1) and plan.threadgroup == (128, 1, 1)
+    assert qm._kernel_def(qm.Q8_0, "dense", False, True).name == "g4_q8_0_matvec_ksplit"
+    assert not any(name == "KS" for name, _ in qm.plan_launch(qm.Q4_0, "dense", "bfloat16", 1, 64, 256).template)
+    with pytest.raises(ValueError, match="k_split"):
+        qm.KernelConfig(2, 2, 2, 0, 4)
+    for ggml_type, kind in ((qm.Q6_K, "dense"), (qm.Q4_0, "gather")):
+        with pytest.raises(ValueError, match="k_split"):
+            qm.plan_launch(ggml_type, kind, "bfloat16", 1, 64, 256, 8, config=qm.KernelConfig(4, 2, 2, 0, 2))
+    monkeypatch.setenv(qm.DENSE_M1_GEOMETRY_ENV, "simd_groups=8,k_split=4")
+    assert qm.default_config(qm.Q4_0, "dense", 1, 5376, 21504, which="cuda").k_split == 4
+
+
 def test_gate_up_m1_defaults():
     """A dense FFN's fused gate|up (one expert) at M = 1: 8 warps, 2 stages; a token's 8 experts and
     M >= 2 keep 4 warps, 4 stages."""
