@@ -728,6 +728,11 @@ class KernelConfig:
             raise ValueError("k_split must be 1, 2, 4 or 8 and divide simd_groups")
 
 
+SPLIT_K_MAX_ROWS = 65536
+"""CUDA dense M = 1 splits K below this many rows: the 262144-row head was slower split (463 ->
+476-510 us), every projection of 31B and E4B faster."""
+
+
 def default_config(ggml_type: int, kind: str, m: int, n: int, k: int, pairs: int = 1,
                    which: str | None = None) -> KernelConfig:  # fmt: skip
     """The launch geometry used by dispatch (a starting point, to be tuned by bench/kernels.py).
@@ -737,7 +742,9 @@ def default_config(ggml_type: int, kind: str, m: int, n: int, k: int, pairs: int
     vectors keep M x weights-per-lane activations in registers and idle fewer lanes on short
     rows). Threadgroups of 4 warps on CUDA, 2 SIMD groups on Metal, halved while that leaves
     fewer than 256 threadgroups (small N must still fill the GPU). CUDA dense M = 1: R = 2,
-    2 warps (the best of the H200 geometry sweep); GEMMA4_MLX_MATVEC_GEOMETRY overrides it.
+    2 warps (the best of the H200 geometry sweep); below SPLIT_K_MAX_ROWS rows (every decode
+    projection; not the tied head) 4 warps sharing each row pair (k_split = 4).
+    GEMMA4_MLX_MATVEC_GEOMETRY overrides it.
     """
     which = which or backend()
     r = 4
@@ -746,12 +753,15 @@ def default_config(ggml_type: int, kind: str, m: int, n: int, k: int, pairs: int
     if ggml_type != Q6_K and (m > 4 or nblocks < 32):
         lpb = 4
     nsg = 4 if which == "cuda" else 2
+    ks = 1
     if which == "cuda" and m == 1 and kind == "dense":
         r, nsg = 2, 2  # H200, 31B FFN gate: 32.7 us vs 34.8 us for (4, 4, 2) (bench/NOTES.md)
+        if ggml_type != Q6_K and n < SPLIT_K_MAX_ROWS:
+            nsg, ks = 4, 4  # H200 decode step: 31B down 55 -> 38 us, o_proj 23 -> 16 (bench/NOTES.md)
     rows = n if kind != "gate_up" else n  # gate_up: n is F (rows of gate)
-    while nsg > 1 and math.ceil(rows / (r * nsg)) * pairs < 256:
+    while ks == 1 and nsg > 1 and math.ceil(rows / (r * nsg)) * pairs < 256:
         nsg //= 2
-    cfg = KernelConfig(r, nsg, lpb)
+    cfg = KernelConfig(r, nsg, lpb, 0, ks)
     return geometry_override(cfg, DENSE_M1_GEOMETRY_ENV) if kind == "dense" and m == 1 else cfg
 
 

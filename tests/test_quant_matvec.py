@@ -355,7 +355,8 @@ def test_in_place_decode_plans(monkeypatch):
 
 def test_k_split_plans(monkeypatch):
     """k_split > 1 selects the dense split-K kernel: a threadgroup covers R * NSG / k_split rows,
-    KS is a template constant; it must divide simd_groups; other kinds and Q6_K refuse it."""
+    KS is a template constant; it must divide simd_groups; other kinds and Q6_K refuse it; CUDA's
+    M = 1 default uses it below SPLIT_K_MAX_ROWS rows."""
     plan = qm.plan_launch(qm.Q4_0, "dense", "bfloat16", 1, 5376, 21504, config=qm.KernelConfig(2, 4, 2, 1, 4))
     assert plan.k_split and plan.in_place and ("KS", 4) in plan.template
     assert plan.grid == (5376 // 2 * 128, 1, 1) and plan.threadgroup == (128, 1, 1)
@@ -366,6 +367,10 @@ def test_k_split_plans(monkeypatch):
     for ggml_type, kind in ((qm.Q6_K, "dense"), (qm.Q4_0, "gather")):
         with pytest.raises(ValueError, match="k_split"):
             qm.plan_launch(ggml_type, kind, "bfloat16", 1, 64, 256, 8, config=qm.KernelConfig(4, 2, 2, 0, 2))
+    cfg = lambda t, n, which="cuda", m=1: qm.default_config(t, "dense", m, n, 5376, which=which)  # noqa: E731
+    assert (cfg(qm.Q4_0, 5376).k_split, cfg(qm.Q4_0, 5376).simd_groups) == (4, 4)  # decode projections
+    assert cfg(qm.Q8_0, 37).k_split == 4 and cfg(qm.Q8_0, 262144).k_split == 1  # not the tied head
+    assert cfg(qm.Q6_K, 5376).k_split == cfg(qm.Q4_0, 5376, "metal").k_split == cfg(qm.Q4_0, 5376, m=2).k_split == 1
     monkeypatch.setenv(qm.DENSE_M1_GEOMETRY_ENV, "simd_groups=8,k_split=4")
     assert qm.default_config(qm.Q4_0, "dense", 1, 5376, 21504, which="cuda").k_split == 4
 
