@@ -714,8 +714,7 @@ def run_matrix(args) -> str:
     if unknown:
         raise SystemExit(f"unknown model(s) {', '.join(unknown)}; {'--quick ' if quick else ''}models: {', '.join(known)}")
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else None
-    breakdown_at = ({int(c) for c in args.breakdown_contexts.split(",")} if args.breakdown_contexts
-                    else set(QUICK_CONTEXTS[-1:] if quick else BREAKDOWN_CONTEXTS))  # fmt: skip
+    breakdown_at = breakdown_contexts(args.breakdown_contexts, quick)
     plan = []
     for m in models:
         ctxs = contexts or (list(QUICK_CONTEXTS) if quick else list(CONTEXTS) + list(EXTRA_CONTEXTS.get(m, ())))
@@ -1018,13 +1017,20 @@ def default_plot_path(doc: dict) -> str:
     return os.path.join(RESULTS, f"decode-{doc.get('date', '')[:10]}{'-quick' if doc.get('quick') else ''}.png")
 
 
+def breakdown_contexts(text: str | None, quick: bool) -> set[int]:
+    """--breakdown-contexts: None -> the defaults; "" -> none; "4096,32768" -> those."""
+    if text is None:
+        return set(QUICK_CONTEXTS[-1:] if quick else BREAKDOWN_CONTEXTS)
+    return {int(c) for c in text.split(",") if c.strip()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny models and contexts, few tokens (runs on CPU)")
     ap.add_argument("--models", default=None,
                     help=f"comma-separated, run in this order (default {','.join(MODELS)}; quick {','.join(QUICK_MODELS)})")
     ap.add_argument("--contexts", default=None, help="comma-separated (default 4096,128,32768; +131072 for 31B)")
-    ap.add_argument("--breakdown-contexts", default=None, help="contexts with a stage breakdown (default 4096,32768)")
+    ap.add_argument("--breakdown-contexts", default=None, help="contexts with a stage breakdown (default 4096,32768; \"\" for none)")
     ap.add_argument("--steps", type=int, default=None, help="timed tokens per round (default 32; quick 4)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up tokens per round (default 4; quick 1)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; quick 1)")

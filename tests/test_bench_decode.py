@@ -96,6 +96,11 @@ def test_quick_run_writes_the_json(tmp_path):
     assert png.exists() == _has_matplotlib()
 
 
+def test_breakdown_contexts_option():
+    assert bd.breakdown_contexts(None, False) == set(bd.BREAKDOWN_CONTEXTS)
+    assert bd.breakdown_contexts("", False) == set() and bd.breakdown_contexts("128, 4096", True) == {128, 4096}
+
+
 @pytest.mark.parametrize("n", [16, 100])
 def test_direct_fill_matches_a_prefill(n):
     """The filled caches have the shapes, offsets and ring slot positions a real prefill leaves, and
