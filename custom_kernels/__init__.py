@@ -40,7 +40,7 @@ four passed together with the model-level checks (every kernel on) on 2026-11-30
 session 6); "router" passed its operator and module tests in session 7 (111 tests). The exact texts
 that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
-FAMILIES = PROVEN | {"norm", "norm_rope"}
+FAMILIES = PROVEN | {"norm", "norm_rope", "gate_up_split"}
 """Every op family the model can use: the PROVEN ones and the opt-in ones (UNPROVEN_ENV)."""
 
 _kernel_cache: dict[tuple, Callable] = {}

@@ -572,7 +572,8 @@ _STORE_DENSE = """
 # k_split (KS > 1): KS SIMD groups share a set of R rows, each taking every KS-th run of BPI
 # blocks; their per-row sums meet in threadgroup memory and the first group of the set adds them
 # in ascending order (deterministic). Small N (o_proj, FFN down: N = 5376) then still puts
-# enough warps, and bytes, in flight.
+# enough warps, and bytes, in flight. Dense kernel, and the gate/up kernel (R gate + R up rows,
+# gelu_tanh(g) * u from the merged f32 sums).
 _SPLIT_ROW0 = ("($tg_x * NSG + $simd) * R", "($tg_x * (NSG / KS) + $simd / KS) * R")
 _SPLIT_LOOP = ("for (int b = lane / LPB; b < nblocks; b += BPI)",
                "for (int b = ($simd % KS) * BPI + lane / LPB; b < nblocks; b += BPI * KS)")  # fmt: skip
@@ -593,6 +594,26 @@ _STORE_DENSE_SPLIT = """
       float s = kpart[($simd * RT + i) * MX + m];
       for (int j = 1; j < KS; ++j) s += kpart[(($simd + j) * RT + i) * MX + m];
       if (row0 + i < N) out[(size_t)m * N + row0 + i] = static_cast<T>(s);
+    }
+  }
+"""
+
+_STORE_GATE_UP_SPLIT = """
+  $shared float kpart[NSG * RT];
+  $unroll for (int i = 0; i < RT; ++i) {
+    const float s = g4_simd_sum(acc[i][0]);
+    if (lane == 0) kpart[$simd * RT + i] = s;
+  }
+  $barrier;
+  if ($simd % KS == 0) {
+    for (int i = lane; i < R; i += 32) {
+      float g = kpart[$simd * RT + i];
+      float u = kpart[$simd * RT + R + i];
+      for (int j = 1; j < KS; ++j) {
+        g += kpart[($simd + j) * RT + i];
+        u += kpart[($simd + j) * RT + R + i];
+      }
+      if (row0 + i < F) out[(size_t)pair * F + row0 + i] = static_cast<T>(live ? g4_gelu_tanh(g) * u : g4_nan());
     }
   }
 """
@@ -651,8 +672,9 @@ def _body(ggml_type: int, kind: str, in_place: bool = False, k_split: bool = Fal
         )
     store = {"dense": _STORE_DENSE, "gather": _STORE_GATHER, "gate_up": _STORE_GATE_UP}[kind]
     if k_split:
-        assert kind == "dense" and ggml_type != Q6_K and _SPLIT_LOOP[0] in loop
-        setup, loop, store = setup.replace(*_SPLIT_ROW0), loop.replace(*_SPLIT_LOOP), _STORE_DENSE_SPLIT
+        assert kind in ("dense", "gate_up") and ggml_type != Q6_K and _SPLIT_LOOP[0] in loop
+        store = _STORE_DENSE_SPLIT if kind == "dense" else _STORE_GATE_UP_SPLIT
+        setup, loop = setup.replace(*_SPLIT_ROW0), loop.replace(*_SPLIT_LOOP)
     name = f"{_fmt(ggml_type).name}_{kind}" + ("_inplace" if in_place else "") + ("_ksplit" if k_split else "")
     return f"  // gemma4-mlx {name}: fused dequantize x matvec on raw GGUF blocks\n" + (
         setup + rows + mx_rows + loop + store
@@ -788,8 +810,8 @@ def plan_launch(ggml_type: int, kind: str, dtype_name: str, m: int, n: int, k: i
     if cfg.in_place and (kind != "dense" or ggml_type == Q6_K):
         raise ValueError("in_place decode exists for the dense Q4_0 / Q8_0 kernels only")
     ks = cfg.k_split
-    if ks > 1 and (kind != "dense" or ggml_type == Q6_K):
-        raise ValueError("k_split exists for the dense Q4_0 / Q8_0 kernels only")
+    if ks > 1 and (kind == "gather" or ggml_type == Q6_K):
+        raise ValueError("k_split exists for the dense and gate/up Q4_0 / Q8_0 kernels only")
     template: list = [("T", dtype_name)]
     if kind == "dense":
         template.append(("M", m))
@@ -849,7 +871,7 @@ def launch_gate_up(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int,
     m, slots = ids.shape
     k = x.shape[-1]
     plan = plan_launch(ggml_type, "gate_up", dtype_name(x.dtype), m, f, k, slots, config=config)
-    return _run(_kernel_def(ggml_type, "gate_up"), [x, ids, blocks], plan, x.dtype, init_value)
+    return _run(_kernel_def(ggml_type, "gate_up", False, plan.k_split), [x, ids, blocks], plan, x.dtype, init_value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1508,8 +1530,21 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int) -> mx.array:
     if m > 1:
         gu = quant_matvec(x, blocks, ggml_type, 2 * f).astype(mx.float32)
         return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
-    out = _gate_up(x.reshape(m, k), _ONE_EXPERT, blocks[None], ggml_type, f)
+    if use_kernel("gate_up_split"):
+        out = launch_gate_up(x.reshape(m, k), _ONE_EXPERT, blocks[None], ggml_type, f, gate_up_split_config())
+    else:
+        out = _gate_up(x.reshape(m, k), _ONE_EXPERT, blocks[None], ggml_type, f)
     return out.reshape(*lead, f)
+
+
+GATE_UP_SPLIT_GEOMETRY_ENV = "GEMMA4_MLX_GATE_UP_SPLIT_GEOMETRY"
+
+
+def gate_up_split_config() -> KernelConfig:
+    """Geometry of a dense gate|up at M = 1 through the f32-FMA gate/up kernel with split K (op
+    family "gate_up_split"): R = 2 gate + 2 up rows per row set, 4 warps sharing it, like the dense
+    M = 1 default; GEMMA4_MLX_GATE_UP_SPLIT_GEOMETRY overrides its fields."""
+    return geometry_override(KernelConfig(2, 4, 2, 0, 4), GATE_UP_SPLIT_GEOMETRY_ENV)
 
 
 _ONE_EXPERT = mx.array([[0]], dtype=mx.int32)  # ids [1, 1] of gate_up's one-row call: a constant, not a node per call
@@ -1743,6 +1778,21 @@ def _variant_cases(ggml_type: int, in_place: bool, k_split: bool):
     return make
 
 
+def _gate_up_split_cases(ggml_type: int):
+    """The split-K gate/up kernel: one expert (the dense M = 1 use), several tokens and experts,
+    runs of blocks ending inside a split, odd F."""
+
+    def make(rng: np.random.Generator):
+        c = KernelConfig
+        return [
+            _gather_case(rng, ggml_type, "gate_up", "bfloat16", 1, 1, 1, 13, 1056, False, c(2, 4, 2, 0, 4)),
+            _gather_case(rng, ggml_type, "gate_up", "float32", 2, 3, 5, 7, 800, False, c(3, 2, 4, 0, 2)),
+            _gather_case(rng, ggml_type, "gate_up", "float32", 1, 1, 1, 37, 2080, False, c(5, 8, 1, 0, 8)),
+        ]
+
+    return make
+
+
 def _mma_case(rng, m, n, k, config):
     from .registry import KernelCase
 
@@ -1840,4 +1890,8 @@ def kernel_specs():
             (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
             specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs,
                                     _variant_cases(ggml_type, in_place, k_split)))  # fmt: skip
+        kdef = _kernel_def(ggml_type, "gate_up", False, True)
+        (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
+        specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs,
+                                _gate_up_split_cases(ggml_type)))  # fmt: skip
     return specs

@@ -127,7 +127,8 @@ def test_gate_up_kernels(fmt, dtype):
             g, u = gu[..., :f], gu[..., f:]
             want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
             bound = (np.abs(g) + mag[..., :f]) * (np.abs(u) + mag[..., f:])
-            for cfg in CONFIGS[:2] if m == 1 else CONFIGS[:1]:
+            split = [qm.KernelConfig(2, 4, 2, 0, 4), qm.KernelConfig(1, 8, 1, 0, 2)]
+            for cfg in CONFIGS[:2] + split if m == 1 else CONFIGS[:1] + split[:1]:
                 out = qm.launch_gate_up(x, mx.array(ids), blocks, ggml_type, f, config=cfg, init_value=NAN)
                 assert out.shape == (m, slots, f) and out.dtype == dtype
                 _check(out, want, bound, dtype, f"{fmt} gate_up M={m} F={f} K={k} {cfg}")
@@ -135,8 +136,11 @@ def test_gate_up_kernels(fmt, dtype):
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_dense_gate_up_op(fmt, dtype):
-    """qm.gate_up (a dense MLP's fused gate|up, the expert kernel with one expert) at M = 1..8."""
+@pytest.mark.parametrize("split", [False, True])
+def test_dense_gate_up_op(fmt, dtype, split, monkeypatch):
+    """qm.gate_up (a dense MLP's fused gate|up, the expert kernel with one expert) at M = 1..8;
+    split: M = 1 through the split-K gate/up kernel (family gate_up_split)."""
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "gate_up_split" if split else "")
     ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0}[fmt]
     rng = np.random.default_rng(31)
     for f, k in ((1001, 1056), (21, 5376)):

@@ -361,6 +361,8 @@ def test_k_split_plans(monkeypatch):
     assert plan.k_split and plan.in_place and ("KS", 4) in plan.template
     assert plan.grid == (5376 // 2 * 128, 1, 1) and plan.threadgroup == (128, 1, 1)
     assert qm._kernel_def(qm.Q8_0, "dense", False, True).name == "g4_q8_0_matvec_ksplit"
+    gu = qm.plan_launch(qm.Q4_0, "gate_up", "bfloat16", 1, 21504, 5376, 1, config=qm.gate_up_split_config())
+    assert gu.k_split and ("KS", 4) in gu.template and gu.grid == (21504 // 2 * 128, 1, 1)
     assert not any(name == "KS" for name, _ in qm.plan_launch(qm.Q4_0, "dense", "bfloat16", 1, 64, 256).template)
     with pytest.raises(ValueError, match="k_split"):
         qm.KernelConfig(2, 2, 2, 0, 4)
