@@ -34,13 +34,13 @@ UNPROVEN_ENV = "GEMMA4_MLX_UNPROVEN_KERNELS"
 because they have not passed ``pytest -m gpu`` on real hardware yet or showed no measured gain there
 (``norm``, ``norm_rope``)."""
 
-PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router"})
+PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split"})
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests). The exact texts
 that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
-FAMILIES = PROVEN | {"norm", "norm_rope", "gate_up_split"}
+FAMILIES = PROVEN | {"norm", "norm_rope"}
 """Every op family the model can use: the PROVEN ones and the opt-in ones (UNPROVEN_ENV)."""
 
 _kernel_cache: dict[tuple, Callable] = {}

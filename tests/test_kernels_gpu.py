@@ -136,11 +136,9 @@ def test_gate_up_kernels(fmt, dtype):
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("split", [False, True])
-def test_dense_gate_up_op(fmt, dtype, split, monkeypatch):
-    """qm.gate_up (a dense MLP's fused gate|up, the expert kernel with one expert) at M = 1..8;
-    split: M = 1 through the split-K gate/up kernel (family gate_up_split)."""
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "gate_up_split" if split else "")
+def test_dense_gate_up_op(fmt, dtype):
+    """qm.gate_up (a dense MLP's fused gate|up: at M = 1 the split-K gate/up kernel with one
+    expert, family gate_up_split) at M = 1..8."""
     ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0}[fmt]
     rng = np.random.default_rng(31)
     for f, k in ((1001, 1056), (21, 5376)):
