@@ -37,7 +37,9 @@ because they have not passed ``pytest -m gpu`` on real hardware yet or showed no
 PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split"})
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
-session 6); "router" passed its operator and module tests in session 7 (111 tests). The exact texts
+session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
+(a dense MLP's one-token gate|up through the split-K gate/up kernel, CUDA only) its operator and
+model tests in session 8 (the whole `pytest -m gpu` ran at the commit before it: 163 passed). The exact texts
 that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 FAMILIES = PROVEN | {"norm", "norm_rope"}

@@ -22,8 +22,8 @@ Ops (activations bf16, f32 or f16; output dtype = activation dtype; f32 accumula
   gelu_tanh(gate) * up, [M, k, F], computed in f32 and rounded once.
 - ``quant_matvec(x, blocks, ggml_type, n)``: the dense op chosen by GGML type id (2, 8, 14).
 - ``gate_up(x, blocks, ggml_type, f)``: a dense MLP's gate and up projections stored as one
-  [2F, ...] matrix -> gelu_tanh(gate) * up [..., F] (one row: the split-K gate/up kernel with one
-  expert; 2..8 rows: the dense kernel, then the product).
+  [2F, ...] matrix -> gelu_tanh(gate) * up [..., F] (one row: the gate/up kernel with one expert,
+  split K on CUDA; 2..8 rows: the dense kernel, then the product).
 - ``q4_0_moe_down(x, ids, weights, blocks, n)``, ``q8_0_moe_down``: MoE down projection and the
   router-weighted sum over the k slots: x [M, k, K], ids/weights [M, k] -> [M, N] (Q4_0: one launch
   on CUDA).
@@ -727,9 +727,9 @@ projections), e.g. "rows_per_simd=1,simd_groups=4,lanes_per_block=1" (tuning).""
 class KernelConfig:
     """Geometry of one launch: R rows per SIMD group, NSG SIMD groups per threadgroup, LPB lanes
     per 32-weight block (ignored for Q6_K); in_place = 1 runs the in-place decode variant of the
-    dense Q4_0 / Q8_0 kernel (opt-in, see _DOT_Q4_0); k_split > 1 runs the dense Q4_0 / Q8_0
-    kernel with that many SIMD groups sharing each set of R rows (see _STORE_DENSE_SPLIT), so a
-    threadgroup covers R * NSG / k_split rows."""
+    dense Q4_0 / Q8_0 kernel (opt-in, see _DOT_Q4_0); k_split > 1 runs the dense or gate/up
+    Q4_0 / Q8_0 kernel with that many SIMD groups sharing each set of R rows (see _SPLIT_ROW0), so
+    a threadgroup covers R * NSG / k_split rows."""
 
     rows_per_simd: int = 4
     simd_groups: int = 2
@@ -796,7 +796,7 @@ class LaunchPlan:
     threadgroup: tuple[int, int, int]
     output_shape: tuple[int, ...]
     in_place: bool = False  # the dense kernel's in-place decode variant
-    k_split: bool = False  # the dense kernel's split-K variant (template KS)
+    k_split: bool = False  # the dense or gate/up kernel's split-K variant (template KS)
 
 
 def plan_launch(ggml_type: int, kind: str, dtype_name: str, m: int, n: int, k: int,
@@ -1516,10 +1516,11 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
 def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int) -> mx.array:
     """Dense fused gate/up (an MLP's gate_proj and up_proj stored as one matrix): x [..., K],
     Q4_0 / Q8_0 blocks [2F, ...] whose rows 0..F-1 are gate and F..2F-1 up -> gelu_tanh(gate) * up
-    [..., F] in x.dtype. One row on a GPU: the split-K gate/up kernel with the matrix as the only
-    expert (one launch, f32 product rounded once; H200 31B step: 97 -> 82 us vs the stream kernel). 2..8 rows: the dense kernel over all 2F rows,
-    then the product in f32 from its x.dtype outputs (the expert kernel would re-read the weights
-    per row: 504 us vs 88 us for three ops at the 31B shape, M = 8). Else the reference."""
+    [..., F] in x.dtype. One row on a GPU: the expert gate/up kernel with the matrix as the only
+    expert (one launch, f32 product rounded once), split K on CUDA (H200 31B step: 97 -> 82 us
+    against the stream kernel). 2..8 rows: the dense kernel over all 2F rows, then the product in
+    f32 from its x.dtype outputs (the expert kernel would re-read the weights per row: 504 us vs
+    88 us for three ops at the 31B shape, M = 8). Else the reference."""
     k = _check_dense(x, blocks, ggml_type, 2 * f)
     if ggml_type not in (Q4_0, Q8_0):
         raise ValueError(f"gate_up: Q4_0 or Q8_0 blocks only, got GGML type {ggml_type}")
@@ -1530,7 +1531,7 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int) -> mx.array:
     if m > 1:
         gu = quant_matvec(x, blocks, ggml_type, 2 * f).astype(mx.float32)
         return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
-    if use_kernel("gate_up_split"):
+    if use_kernel("gate_up_split") and backend() == "cuda":  # Metal keeps the unsplit kernel (not measured)
         out = launch_gate_up(x.reshape(m, k), _ONE_EXPERT, blocks[None], ggml_type, f, gate_up_split_config())
     else:
         out = _gate_up(x.reshape(m, k), _ONE_EXPERT, blocks[None], ggml_type, f)
