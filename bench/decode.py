@@ -621,6 +621,12 @@ class MlxLmEngine:
         return out
 
 
+def round_spread_ms(entry: dict) -> float | None:
+    """Max - min ms per token over an engine's rounds (None with fewer than two)."""
+    rates = [r for r in entry.get("rounds") or [] if r]
+    return 1e3 / min(rates) - 1e3 / max(rates) if len(rates) > 1 else None
+
+
 def stages(full_ms: float, variants: dict) -> dict:
     """ms per token of each stage from the timed variants (see the module docstring)."""
     ms = {k: v.get("ms_per_token") for k, v in variants.items()}
@@ -942,14 +948,18 @@ def readme_table(doc: dict) -> str:
                      f"{_fmt(o.get('floor_tok_s'), '.0f')} | {_fmt(o.get('frac_floor') and 100 * o['frac_floor'], '.1f')} |")  # fmt: skip
     staged = [(r, name) for r in doc.get("rows", []) for name in (OURS, MLX_LM) if (r.get(name) or {}).get("stages_ms")]
     if staged:
-        lines += ["", "Per-stage ms per token (timed variants; overhead = the rest: norms, RoPE, cache writes, launch gaps):",
-                  "", "| model | context | engine | step | projections | attention | head | sampling (greedy) | overhead | top-p sampler |",
-                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += ["", "Per-stage ms per token (timed variants; overhead = the rest: norms, RoPE, cache writes, launch gaps; "
+                      "a stage is a difference of two timed runs, so one smaller than the spread between the step's "
+                      "rounds is noise, and a negative one reads <0):",
+                  "", "| model | context | engine | step | projections | attention | head | sampling (greedy) | overhead | "
+                      "top-p sampler | round spread |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r, name in staged:
             s = r[name]["stages_ms"]
             lines.append(f"| {r['model']} | {r['context']} | {name} | " + " | ".join(
-                _fmt(s.get(k), ".2f") for k in ("full", "projections", "attention", "head", "sampling", "overhead",
-                                                "sampling_top_p")) + " |")  # fmt: skip
+                "<0" if (s.get(k) or 0) < 0 else _fmt(s.get(k), ".2f")
+                for k in ("full", "projections", "attention", "head", "sampling", "overhead", "sampling_top_p"))
+                + f" | {_fmt(round_spread_ms(r[name]), '.2f')} |")  # fmt: skip
     probes = [(r, name, r[name]) for r in doc.get("rows", []) for name in (OURS, MLX_LM)
               if "step_peak_growth_bytes" in (r.get(name) or {})]  # fmt: skip
     if probes:

@@ -219,6 +219,9 @@ def test_targets_table_latest_and_plot(tmp_path, monkeypatch):
     rows[1][bd.OURS].update(cache_buffer_bytes=1000, step_peak_growth_bytes=900)
     rows[0][bd.OURS]["stages_ms"] = dict(full=5.9, projections=4.0, attention=0.5, head=0.5, sampling=0.1,
                                          overhead=0.8, sampling_top_p=0.3)
+    rows[1][bd.OURS]["stages_ms"] = dict(full=7.1, projections=4.0, attention=0.5, head=-0.2, sampling=0.1,
+                                         overhead=2.7, sampling_top_p=None)
+    rows[1][bd.OURS]["rounds"] = [140.0, 125.0]
     targets = {t["name"]: t for t in bd.evaluate_targets(rows)}
     assert targets["31B decode at 4K (tok/s)"]["met"] is True
     assert targets["31B at 4K vs mlx-lm (x)"]["value"] == pytest.approx(170 / 45) and targets["31B at 4K vs mlx-lm (x)"]["met"]
@@ -231,7 +234,8 @@ def test_targets_table_latest_and_plot(tmp_path, monkeypatch):
     table = bd.readme_table(doc)
     assert "| 31B | 4096 | 170.0 | 45.0 | 3.78x | 200 | 85.0 |" in table
     assert "| E4B | 4096 | skipped (budget) |" in table
-    assert "| 31B | 4096 | gemma4_mlx | 5.90 | 4.00 | 0.50 | 0.50 | 0.10 | 0.80 | 0.30 |" in table
+    assert "| 31B | 4096 | gemma4_mlx | 5.90 | 4.00 | 0.50 | 0.50 | 0.10 | 0.80 | 0.30 | – |" in table
+    assert "| 31B | 32768 | gemma4_mlx | 7.10 | 4.00 | 0.50 | <0 | 0.10 | 2.70 | – | 0.86 |" in table
     assert "| 31B 32K / 4K | 0.85 | 0.82 | no |" in table
     assert "worst 0.90 (gemma4_mlx, 31B at 32768) — a step may copy a cache buffer" in table
     # latest full run by recorded date; --quick results are never "latest"
