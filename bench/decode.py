@@ -34,7 +34,10 @@ What one row (model x context) measures:
   is read whole) and the experts (top_k / E of them). KV bytes: each attending layer reads
   min(N, window) (sliding) or N (full) positions of K and V in bf16 (KV-shared layers re-read their
   producer's). Copy bandwidth: `a + 1` over a 1 GiB float32 array, bytes read + written.
-* Breakdown (timed variants, not a profiler): the step time with the head skipped (the decoder
+* Breakdown on CUDA: a CUPTI trace of the pipelined step (bench/gpu_timeline.py, through
+  torch.profiler): GPU time per token of the projections, attention, other ops, head and sampling
+  kernels, GPU busy time and the token's window. Elsewhere (or without torch), timed variants,
+  not a profiler: the step time with the head skipped (the decoder
   returns the final hidden state), with the attention core skipped (scaled_dot_product_attention /
   decode_attention replaced by a function returning q; K/V projections and cache writes kept),
   with sampling skipped (logits only), the projections alone (every linear / expert matvec of all
@@ -67,6 +70,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -621,6 +625,32 @@ class MlxLmEngine:
         return out
 
 
+def trace_available() -> bool:
+    """torch's profiler (CUPTI) importable: the GPU machine's image has it, CI does not."""
+    try:
+        import torch.profiler  # noqa: F401,PLC0415
+    except ImportError:
+        return False
+    return True
+
+
+TRACE_STAGES = ("projections", "attention", "other ops", "head", "sampling")
+
+
+def trace_breakdown(step, first: mx.array, steps: int = 8) -> dict:
+    """The stage split of one engine's pipelined decode step from a CUPTI trace of `steps` tokens
+    (bench/gpu_timeline.py): us per token of each stage's kernels (TRACE_STAGES, from the last
+    whole step), GPU busy time and the window per token (the GPU waits for the host the rest)."""
+    import gpu_timeline  # noqa: PLC0415  (bench/gpu_timeline.py; imports torch's profiler)
+
+    time_tokens(step, first, 2, 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        s = gpu_timeline.profile_steps(step, first, steps, os.path.join(tmp, "trace.json"))
+    return dict(window_us=s["window_us"], busy_us=s["busy_us"], wait_us=s["wait_us"], launches=s["launches"],
+                stages_us={k: s["stages"][k]["us"] for k in TRACE_STAGES if k in s["stages"]},
+                stage_launches={k: s["stages"][k]["launches"] for k in TRACE_STAGES if k in s["stages"]})
+
+
 def round_spread_ms(entry: dict) -> float | None:
     """Max - min ms per token over an engine's rounds (None with fewer than two)."""
     rates = [r for r in entry.get("rounds") or [] if r]
@@ -865,9 +895,12 @@ def measure_row(m, cfg, n, engines, info, copy, args, breakdown: bool, deadline:
             if "tok_s" not in entry:
                 continue
             try:
-                variants = e.variants(n, extra(e), lambda step: run(step))
-                entry["breakdown_variants"] = variants
-                entry["stages_ms"] = stages(entry["ms_per_token"], variants)
+                if custom_kernels.backend() == "cuda" and trace_available():
+                    entry["trace"] = trace_breakdown(e.full_step(), first)
+                else:
+                    variants = e.variants(n, extra(e), lambda step: run(step))
+                    entry["breakdown_variants"] = variants
+                    entry["stages_ms"] = stages(entry["ms_per_token"], variants)
             except Exception as exc:
                 entry["breakdown_error"] = f"{type(exc).__name__}: {exc}"[:400]
     for e in live:
@@ -899,6 +932,10 @@ def print_row(r: dict) -> None:
         if st:
             print(f"           {name} stages (ms): " + ", ".join(
                 f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in st.items()), flush=True)
+        tr = (r.get(name) or {}).get("trace")
+        if tr:
+            print(f"           {name} GPU trace (ms): window {tr['window_us'] / 1e3:.2f}, busy {tr['busy_us'] / 1e3:.2f}, "
+                  + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in tr["stages_us"].items()), flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -960,6 +997,17 @@ def readme_table(doc: dict) -> str:
                 "<0" if (s.get(k) or 0) < 0 else _fmt(s.get(k), ".2f")
                 for k in ("full", "projections", "attention", "head", "sampling", "overhead", "sampling_top_p"))
                 + f" | {_fmt(round_spread_ms(r[name]), '.2f')} |")  # fmt: skip
+    traced = [(r, name) for r in doc.get("rows", []) for name in (OURS, MLX_LM) if (r.get(name) or {}).get("trace")]
+    if traced:
+        lines += ["", "Stages from a GPU trace of the step (CUPTI; ms per token of each stage's kernels, from one whole "
+                      "step; busy = GPU time, window = the token's time on the GPU timeline):",
+                  "", "| model | context | engine | window | busy | " + " | ".join(TRACE_STAGES) + " | launches |",
+                  "|---|---:|---|" + "---:|" * (len(TRACE_STAGES) + 3)]  # fmt: skip
+        for r, name in traced:
+            t = r[name]["trace"]
+            lines.append(f"| {r['model']} | {r['context']} | {name} | {t['window_us'] / 1e3:.2f} | {t['busy_us'] / 1e3:.2f} | "
+                         + " | ".join(_fmt(t["stages_us"].get(k) and t["stages_us"][k] / 1e3, ".2f")
+                                      for k in TRACE_STAGES) + f" | {t['launches']:.0f} |")  # fmt: skip
     probes = [(r, name, r[name]) for r in doc.get("rows", []) for name in (OURS, MLX_LM)
               if "step_peak_growth_bytes" in (r.get(name) or {})]  # fmt: skip
     if probes:

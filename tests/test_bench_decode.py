@@ -96,6 +96,32 @@ def test_quick_run_writes_the_json(tmp_path):
     assert png.exists() == _has_matplotlib()
 
 
+def test_trace_breakdown_and_its_table(monkeypatch):
+    """On CUDA the breakdown comes from gpu_timeline.profile_steps (a CUPTI trace): its summary is
+    reduced to ms-ready stage times, and the README table prints them; the profiler is faked here."""
+    import gpu_timeline
+
+    step_list = [("g4_q4_0_matvec", 30.0), ("g4_attn_decode_partial", 20.0), ("rms_norm", 4.0),
+                 ("g4_q4_0_matvec", 50.0), ("g4_q8_0_matvec", 400.0), ("g4_sample_merge", 10.0)]
+    calls = []
+
+    def fake_profile(step, first, steps, path):
+        calls.append(steps)
+        return dict(window_us=600.0, busy_us=520.0, wait_us=70.0, launches=6.0, one_step=step_list,
+                    stages=gpu_timeline.stages(step_list))
+
+    monkeypatch.setattr(gpu_timeline, "profile_steps", fake_profile)
+    t = bd.trace_breakdown(lambda prev: prev + 1, mx.array([5], mx.int32), steps=8)
+    assert calls == [8]
+    assert t["stages_us"] == {"projections": 80.0, "attention": 20.0, "other ops": 4.0, "head": 400.0, "sampling": 10.0}
+    assert t["stage_launches"]["projections"] == 2 and t["busy_us"] == 520.0
+    row = _row("31B", 4096, 170.0, 45.0)
+    row[bd.OURS]["trace"] = t
+    doc = dict(date="2026-12-01T10:00:00", hardware=dict(backend="cuda"), versions={}, copy_bandwidth=dict(GBps=3500.0),
+               args=dict(mlxlm_group_size=64), rows=[row], targets=[])
+    assert "| 31B | 4096 | gemma4_mlx | 0.60 | 0.52 | 0.08 | 0.02 | 0.00 | 0.40 | 0.01 | 6 |" in bd.readme_table(doc)
+
+
 def test_breakdown_contexts_option():
     assert bd.breakdown_contexts(None, False) == set(bd.BREAKDOWN_CONTEXTS)
     assert bd.breakdown_contexts("", False) == set() and bd.breakdown_contexts("128, 4096", True) == {128, 4096}
