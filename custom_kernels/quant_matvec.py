@@ -784,7 +784,11 @@ def default_config(ggml_type: int, kind: str, m: int, n: int, k: int, pairs: int
     while ks == 1 and nsg > 1 and math.ceil(rows / (r * nsg)) * pairs < 256:
         nsg //= 2
     cfg = KernelConfig(r, nsg, lpb, 0, ks)
-    return geometry_override(cfg, DENSE_M1_GEOMETRY_ENV) if kind == "dense" and m == 1 else cfg
+    if kind != "dense" or m != 1:
+        return cfg
+    cfg = geometry_override(cfg, DENSE_M1_GEOMETRY_ENV)
+    # the override's in_place / k_split name Q4_0 / Q8_0 kernel variants: a Q6_K head keeps its kernel
+    return dataclasses.replace(cfg, in_place=0, k_split=1) if ggml_type == Q6_K else cfg
 
 
 @dataclass(frozen=True)

@@ -373,8 +373,11 @@ def test_k_split_plans(monkeypatch):
     assert (cfg(qm.Q4_0, 5376).k_split, cfg(qm.Q4_0, 5376).simd_groups) == (4, 4)  # decode projections
     assert cfg(qm.Q8_0, 37).k_split == 4 and cfg(qm.Q8_0, 262144).k_split == 1  # not the tied head
     assert cfg(qm.Q6_K, 5376).k_split == cfg(qm.Q4_0, 5376, "metal").k_split == cfg(qm.Q4_0, 5376, m=2).k_split == 1
-    monkeypatch.setenv(qm.DENSE_M1_GEOMETRY_ENV, "simd_groups=8,k_split=4")
+    monkeypatch.setenv(qm.DENSE_M1_GEOMETRY_ENV, "simd_groups=8,k_split=4,in_place=1")
     assert qm.default_config(qm.Q4_0, "dense", 1, 5376, 21504, which="cuda").k_split == 4
+    q6 = qm.default_config(qm.Q6_K, "dense", 1, 262144, 5376, which="cuda")  # a Q6_K head ignores both
+    assert (q6.k_split, q6.in_place, q6.simd_groups) == (1, 0, 8)
+    qm.plan_launch(qm.Q6_K, "dense", "bfloat16", 1, 262144, 5376)  # no error under the override
 
 
 def test_gate_up_m1_defaults():
