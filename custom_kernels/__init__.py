@@ -24,7 +24,7 @@ import mlx.core as mx
 
 __all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "mlx_kernel_name", "clear_kernel_cache",
            "KernelSource", "MX_DTYPES", "dtype_name", "template_args", "KERNELS_ENV", "UNPROVEN_ENV",
-           "PROVEN", "FAMILIES", "geometry_override"]
+           "PROVEN", "FAMILIES", "geometry_override", "geometry_fields", "replace_geometry"]
 
 KERNELS_ENV = "GEMMA4_MLX_KERNELS"
 """Environment variable: ``reference`` forces the pure-MLX references even on a GPU build."""
@@ -48,25 +48,35 @@ FAMILIES = PROVEN | {"norm", "norm_rope"}
 _kernel_cache: dict[tuple, Callable] = {}
 
 
-def geometry_override(cfg, env: str):
-    """cfg (a frozen dataclass of launch geometry) with the fields named in environment variable
-    `env` ("name=INT,name=INT") replaced: a tuning knob for trying geometries inside a model on
-    a GPU the defaults were not measured on. Unset or empty: cfg itself. Bad text: ValueError."""
+def geometry_fields(cfg, env: str) -> dict[str, int]:
+    """The fields environment variable `env` ("name=INT,name=INT") sets on launch-geometry
+    dataclass `cfg`: {} when unset or empty; ValueError for a name cfg lacks or a non-integer."""
     text = os.environ.get(env, "").strip()
-    if not text:
-        return cfg
     fields = {f.name for f in dataclasses.fields(cfg)}
     changes = {}
-    for item in text.split(","):
+    for item in text.split(",") if text else []:
         name, _, value = item.partition("=")
         name = name.strip()
         if name not in fields or not value.strip().lstrip("-").isdigit():
             raise ValueError(f"{env}: '{item.strip()}' is not NAME=INTEGER with NAME one of {', '.join(sorted(fields))}")
         changes[name] = int(value)
+    return changes
+
+
+def replace_geometry(cfg, changes: dict, env: str):
+    """dataclasses.replace(cfg, **changes), its ValueError naming `env` and what it says."""
     try:
         return dataclasses.replace(cfg, **changes)
     except ValueError as exc:
-        raise ValueError(f"{env}={text}: {exc}") from None
+        raise ValueError(f"{env}={os.environ.get(env, '').strip()}: {exc}") from None
+
+
+def geometry_override(cfg, env: str):
+    """cfg (a frozen dataclass of launch geometry) with the fields named in environment variable
+    `env` ("name=INT,name=INT") replaced: a tuning knob for trying geometries inside a model on
+    a GPU the defaults were not measured on. Unset or empty: cfg itself. Bad text: ValueError."""
+    changes = geometry_fields(cfg, env)
+    return replace_geometry(cfg, changes, env) if changes else cfg
 
 
 def backend() -> str:

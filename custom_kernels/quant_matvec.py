@@ -60,8 +60,8 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import (KernelSource, backend, dtype_name, geometry_override, get_kernel, template_args, use_kernel,
-               use_reference)
+from . import (KernelSource, backend, dtype_name, geometry_fields, geometry_override, get_kernel, replace_geometry,
+               template_args, use_kernel, use_reference)
 from .dialect import emit, prelude
 
 __all__ = [
@@ -784,11 +784,22 @@ def default_config(ggml_type: int, kind: str, m: int, n: int, k: int, pairs: int
     while ks == 1 and nsg > 1 and math.ceil(rows / (r * nsg)) * pairs < 256:
         nsg //= 2
     cfg = KernelConfig(r, nsg, lpb, 0, ks)
-    if kind != "dense" or m != 1:
-        return cfg
-    cfg = geometry_override(cfg, DENSE_M1_GEOMETRY_ENV)
-    # the override's in_place / k_split name Q4_0 / Q8_0 kernel variants: a Q6_K head keeps its kernel
-    return dataclasses.replace(cfg, in_place=0, k_split=1) if ggml_type == Q6_K else cfg
+    return _dense_m1_override(cfg, ggml_type) if kind == "dense" and m == 1 else cfg
+
+
+def _dense_m1_override(cfg: KernelConfig, ggml_type: int) -> KernelConfig:
+    """cfg with GEMMA4_MLX_MATVEC_GEOMETRY's fields over it. The fields it leaves out adapt to the
+    ones it names, so every shape keeps a valid geometry: k_split shrinks to divide a named
+    simd_groups, simd_groups grows to a named k_split; a Q6_K head ignores in_place and k_split
+    (they name Q4_0 / Q8_0 kernel variants)."""
+    named = geometry_fields(cfg, DENSE_M1_GEOMETRY_ENV)
+    if ggml_type == Q6_K:
+        named = {k: v for k, v in named.items() if k not in ("in_place", "k_split")}
+    if "simd_groups" in named and "k_split" not in named and named["simd_groups"] > 0:
+        named["k_split"] = math.gcd(cfg.k_split, named["simd_groups"])
+    if "k_split" in named and "simd_groups" not in named:
+        named["simd_groups"] = max(cfg.simd_groups, named["k_split"])
+    return replace_geometry(cfg, named, DENSE_M1_GEOMETRY_ENV) if named else cfg
 
 
 @dataclass(frozen=True)

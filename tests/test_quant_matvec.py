@@ -363,7 +363,8 @@ def test_k_split_plans(monkeypatch):
     assert qm._kernel_def(qm.Q8_0, "dense", False, True).name == "g4_q8_0_matvec_ksplit"
     gu = qm.plan_launch(qm.Q4_0, "gate_up", "bfloat16", 1, 21504, 5376, 1, config=qm.gate_up_split_config())
     assert gu.k_split and ("KS", 4) in gu.template and gu.grid == (21504 // 2 * 128, 1, 1)
-    assert not any(name == "KS" for name, _ in qm.plan_launch(qm.Q4_0, "dense", "bfloat16", 1, 64, 256).template)
+    unsplit = qm.plan_launch(qm.Q4_0, "dense", "bfloat16", 1, 64, 256, config=qm.KernelConfig(4, 2, 2))
+    assert not unsplit.k_split and not any(name == "KS" for name, _ in unsplit.template)
     with pytest.raises(ValueError, match="k_split"):
         qm.KernelConfig(2, 2, 2, 0, 4)
     for ggml_type, kind in ((qm.Q6_K, "dense"), (qm.Q4_0, "gather")):
@@ -377,7 +378,18 @@ def test_k_split_plans(monkeypatch):
     assert qm.default_config(qm.Q4_0, "dense", 1, 5376, 21504, which="cuda").k_split == 4
     q6 = qm.default_config(qm.Q6_K, "dense", 1, 262144, 5376, which="cuda")  # a Q6_K head ignores both
     assert (q6.k_split, q6.in_place, q6.simd_groups) == (1, 0, 8)
-    qm.plan_launch(qm.Q6_K, "dense", "bfloat16", 1, 262144, 5376)  # no error under the override
+    # fields the override leaves out adapt to the ones it names, for every shape of a model
+    for text, split, head in (("simd_groups=2", (2, 2), (2, 1)), ("simd_groups=1,rows_per_simd=4", (1, 1), (1, 1)),
+                              ("k_split=4", (4, 4), (4, 4)), ("k_split=2", (4, 2), (2, 2))):
+        monkeypatch.setenv(qm.DENSE_M1_GEOMETRY_ENV, text)
+        for (ggml_type, n), want in (((qm.Q8_0, 5376), split), ((qm.Q4_0, 262144), head)):
+            cfg = qm.default_config(ggml_type, "dense", 1, n, 5376, which="cuda")
+            assert (cfg.simd_groups, cfg.k_split) == want, (text, n)
+        q6 = qm.default_config(qm.Q6_K, "dense", 1, 262144, 5376, which="cuda")
+        assert q6.k_split == 1 and qm.plan_launch(qm.Q6_K, "dense", "bfloat16", 1, 262144, 5376, config=q6)
+    monkeypatch.setenv(qm.DENSE_M1_GEOMETRY_ENV, "simd_groups=2,k_split=4")  # named both, inconsistent
+    with pytest.raises(ValueError, match="GEMMA4_MLX_MATVEC_GEOMETRY=simd_groups=2,k_split=4: k_split must"):
+        qm.default_config(qm.Q4_0, "dense", 1, 5376, 21504, which="cuda")
 
 
 def test_gate_up_m1_defaults():
