@@ -27,6 +27,7 @@ import numpy as np
 
 from . import KernelSource, dtype_name, template_args, use_reference
 from .dialect import emit
+from .sampling import BLOCK_SUM
 
 __all__ = ["kernel_specs", "residual_norm", "residual_norm_reference", "residual_norm_np"]
 
@@ -47,7 +48,7 @@ _BODY = r"""
     if (c < D) g4_load2(a + base + c, v + 2 * j);
     ss += v[2 * j] * v[2 * j] + v[2 * j + 1] * v[2 * j + 1];
   }
-  const float ra = 1.0f / @SQRT@(g4n_block_sum(ss, red, 0, tid, NSG) / (float)D + e);
+  const float ra = 1.0f / @SQRT@(g4s_block_sum(ss, red, 0, tid, NSG) / (float)D + e);
   const float s = SCALE ? static_cast<float>(scale[0]) : 1.0f;
   float ss2 = 0.0f;
   $unroll for (int j = 0; j < PAIRS; ++j) {
@@ -66,7 +67,7 @@ _BODY = r"""
     }
   }
   if (NEXT) {
-    const float rn = 1.0f / @SQRT@(g4n_block_sum(ss2, red, 1, tid, NSG) / (float)D + e);
+    const float rn = 1.0f / @SQRT@(g4s_block_sum(ss2, red, 1, tid, NSG) / (float)D + e);
     $unroll for (int j = 0; j < PAIRS; ++j) {
       const int c = 2 * (tid + j * TG);
       if (c < D) {
@@ -78,18 +79,10 @@ _BODY = r"""
   }
 """
 
-# Sum over the threadgroup; `phase` picks one half of red, so two sums need only one barrier each.
+# g4s_block_sum (sampling's): `phase` picks one half of red, so two sums need one barrier each.
 _HELPERS = r"""
 // gemma4-mlx norm helpers
-@FN@ float g4n_block_sum(float v, @TG@ float* red, int phase, int tid, int nsg) {
-  v = g4_simd_sum(v);
-  if ((tid & 31) == 0) red[32 * phase + (tid >> 5)] = v;
-  $barrier;
-  float s = 0.0f;
-  for (int i = 0; i < nsg; ++i) s += red[32 * phase + i];
-  return s;
-}
-// v rounded to the activation dtype U and back, as MLX's ops round every result
+""" + BLOCK_SUM + r"""// v rounded to the activation dtype U and back, as MLX's ops round every result
 template <typename U> @FN@ float g4n_round(float v) { return static_cast<float>(static_cast<U>(v)); }
 """
 

@@ -321,7 +321,20 @@ def oracle_select_pass(logits: np.ndarray, kc: int, slice_len: int) -> tuple[np.
 _FN = {"metal": "static inline", "cuda": "__device__ __forceinline__"}
 _TG = {"metal": "threadgroup", "cuda": ""}
 
-_HELPERS = r"""
+BLOCK_SUM = r"""@FN@ float g4s_block_sum(float v, @TG@ float* red, int phase, int tid, int nsg) {
+  v = g4_simd_sum(v);
+  if ((tid & 31) == 0) red[32 * phase + (tid >> 5)] = v;
+  $barrier;
+  float s = 0.0f;
+  for (int i = 0; i < nsg; ++i) s += red[32 * phase + i];
+  return s;
+}
+"""
+"""A threadgroup-wide float sum over nsg SIMD groups (text with the @FN@ / @TG@ tokens and $barrier);
+norm.py's kernel shares it."""
+
+_HELPERS = (
+    r"""
 // gemma4-mlx sampling helpers
 #define G4S_NEG_INF_KEY 0x007fffffu
 
@@ -382,15 +395,9 @@ _HELPERS = r"""
 // Threadgroup-wide reductions over nsg SIMD groups of 32 lanes; every thread gets the same
 // result. red holds 2 x 32 floats of shared memory; consecutive calls must alternate phase
 // (0, 1, 0, ...), which makes one barrier per call enough.
-@FN@ float g4s_block_sum(float v, @TG@ float* red, int phase, int tid, int nsg) {
-  v = g4_simd_sum(v);
-  if ((tid & 31) == 0) red[32 * phase + (tid >> 5)] = v;
-  $barrier;
-  float s = 0.0f;
-  for (int i = 0; i < nsg; ++i) s += red[32 * phase + i];
-  return s;
-}
-
+"""
+    + BLOCK_SUM
+    + r"""
 @FN@ float g4s_block_max(float v, @TG@ float* red, int phase, int tid, int nsg) {
   v = g4_simd_max(v);
   if ((tid & 31) == 0) red[32 * phase + (tid >> 5)] = v;
@@ -424,6 +431,7 @@ _HELPERS = r"""
   return base + excl;
 }
 """
+)
 
 # Selection of the NSEL best of the TG x EPT keys held EPT per thread (thread-major positions,
 # i.e. index order). Defines tau, take and, per thread, out (its first output slot) and eqr.
