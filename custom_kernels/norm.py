@@ -12,12 +12,14 @@ to the activations' dtype. Only the order of the f32 sums of squares and 1 / sqr
 differ from MLX's rms_norm.
 
 Kernel (one body for Metal and CUDA, custom_kernels.dialect): one threadgroup of TG threads per
-row; thread t holds elements 2 (t + j TG) and 2 (t + j TG) + 1 in registers (PAIRS pairs), so the
-row is read once; a SIMD sum and a threadgroup sum give each sum of squares.
+row (D a multiple of 4; other rows take the reference); thread t holds the 4-element quads
+t + j TG (j < QUADS) of a, h and both weights in registers, all loaded before the first sum, so a
+row costs one memory latency; a SIMD sum and a threadgroup sum give each sum of squares.
 
-The model uses it only with the family "norm" named in GEMMA4_MLX_UNPROVEN_KERNELS: it passes
-``pytest -m gpu`` on the H200, but at one row it took more GPU time than the three MLX launches it
-replaces (bench/NOTES.md, session 7).
+The model uses it only with the family "norm" named in GEMMA4_MLX_UNPROVEN_KERNELS. Its first
+form (4-byte loads, h and the weights loaded after each sum) passed ``pytest -m gpu`` on the H200
+but took more GPU time at one row than the three MLX launches it replaces (bench/NOTES.md,
+session 7); this form has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -25,54 +27,68 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import KernelSource, dtype_name, template_args, use_reference
+from . import KernelSource, backend, dtype_name, template_args, use_reference
 from .dialect import emit
 from .sampling import BLOCK_SUM
 
 __all__ = ["kernel_specs", "residual_norm", "residual_norm_reference", "residual_norm_np"]
 
-# Template: T (dtype), D (row length, even), TG (threads), PAIRS = ceil(D / (2 TG)), SCALE, NEXT.
+# Template: T (dtype), D (row length, a multiple of 4), TG (threads), QUADS = ceil(D / (4 TG)),
+# SCALE, NEXT.
 _BODY = r"""
   // gemma4-mlx residual_norm: out = (h + w_a * rmsnorm(a)) [* scale]; x = w_next * rmsnorm(out)
   constexpr int NSG = TG / 32;
+  constexpr int V = 4 * QUADS;
   $shared float red[64];
   const int tid = $tid;
   const size_t base = (size_t)$tg_x * D;
   const float e = eps[0];
-  float v[2 * PAIRS];
-  float ss = 0.0f;
-  $unroll for (int j = 0; j < PAIRS; ++j) {
-    const int c = 2 * (tid + j * TG);
-    v[2 * j] = 0.0f;
-    v[2 * j + 1] = 0.0f;
-    if (c < D) g4_load2(a + base + c, v + 2 * j);
-    ss += v[2 * j] * v[2 * j] + v[2 * j + 1] * v[2 * j + 1];
-  }
-  const float ra = 1.0f / @SQRT@(g4s_block_sum(ss, red, 0, tid, NSG) / (float)D + e);
   const float s = SCALE ? static_cast<float>(scale[0]) : 1.0f;
-  float ss2 = 0.0f;
-  $unroll for (int j = 0; j < PAIRS; ++j) {
-    const int c = 2 * (tid + j * TG);
+  // every load is issued before the first sum: a row costs one memory latency, not three
+  float av[V];
+  float hv[V];
+  float wa[V];
+  float wn[V];
+  $unroll for (int j = 0; j < QUADS; ++j) {
+    const int c = 4 * (tid + j * TG);
+    $unroll for (int i = 0; i < 4; ++i) {
+      av[4 * j + i] = 0.0f;
+      hv[4 * j + i] = 0.0f;
+      wa[4 * j + i] = 0.0f;
+      wn[4 * j + i] = 0.0f;
+    }
     if (c < D) {
-      float hv[2];
-      g4_load2(h + base + c, hv);
-      $unroll for (int i = 0; i < 2; ++i) {
-        const float n = g4n_round<T>(static_cast<float>(w_a[c + i]) * g4n_round<T>(v[2 * j + i] * ra));
-        float o = g4n_round<T>(hv[i] + n);
+      g4_load4(a + base + c, av + 4 * j);
+      g4_load4(h + base + c, hv + 4 * j);
+      g4_load4(w_a + c, wa + 4 * j);
+      if (NEXT) g4_load4(w_next + c, wn + 4 * j);
+    }
+  }
+  float ss = 0.0f;
+  $unroll for (int i = 0; i < V; ++i) ss += av[i] * av[i];
+  const float ra = 1.0f / @SQRT@(g4s_block_sum(ss, red, 0, tid, NSG) / (float)D + e);
+  float ss2 = 0.0f;
+  $unroll for (int j = 0; j < QUADS; ++j) {
+    const int c = 4 * (tid + j * TG);
+    if (c < D) {
+      $unroll for (int i = 0; i < 4; ++i) {
+        const int k = 4 * j + i;
+        const float n = g4n_round<T>(wa[k] * g4n_round<T>(av[k] * ra));
+        float o = g4n_round<T>(hv[k] + n);
         if (SCALE) o = g4n_round<T>(o * s);
         out[base + c + i] = static_cast<T>(o);
-        v[2 * j + i] = o;
+        hv[k] = o;
         ss2 += o * o;
       }
     }
   }
   if (NEXT) {
     const float rn = 1.0f / @SQRT@(g4s_block_sum(ss2, red, 1, tid, NSG) / (float)D + e);
-    $unroll for (int j = 0; j < PAIRS; ++j) {
-      const int c = 2 * (tid + j * TG);
+    $unroll for (int j = 0; j < QUADS; ++j) {
+      const int c = 4 * (tid + j * TG);
       if (c < D) {
-        $unroll for (int i = 0; i < 2; ++i) {
-          x[base + c + i] = static_cast<T>(static_cast<float>(w_next[c + i]) * g4n_round<T>(v[2 * j + i] * rn));
+        $unroll for (int i = 0; i < 4; ++i) {
+          x[base + c + i] = static_cast<T>(wn[4 * j + i] * g4n_round<T>(hv[4 * j + i] * rn));
         }
       }
     }
@@ -95,18 +111,22 @@ _LOCAL = {
 _RESIDUAL_NORM = KernelSource("g4_residual_norm", ("h", "a", "w_a", "w_next", "scale", "eps"), ("out", "x"),
                               emit(_BODY, _HELPERS, _LOCAL))  # fmt: skip
 
-MAX_THREADS = 256
+MAX_THREADS = {"cuda": 1024, "metal": 512}  # threads per row at most (Metal: a safe pipeline size)
 
 
-def _geometry(d: int) -> tuple[int, int]:
-    """(threads per row, pairs per thread) for rows of d elements."""
-    tg = min(MAX_THREADS, -(-d // 64) * 32)
-    return tg, -(-d // (2 * tg))
+def _geometry(d: int, max_threads: int | None = None) -> tuple[int, int]:
+    """(threads per row, 4-element quads per thread) for rows of d elements: as many threads as
+    quads up to max_threads (the backend's by default), in whole SIMD groups."""
+    if max_threads is None:
+        max_threads = MAX_THREADS["metal" if backend() == "metal" else "cuda"]
+    quads = -(-d // 4)
+    per = -(-quads // max_threads)
+    return -(-quads // (32 * per)) * 32, per
 
 
-def _template(dtype: str, d: int, scale: bool, nxt: bool) -> list:
-    tg, pairs = _geometry(d)
-    return [("T", dtype), ("D", d), ("TG", tg), ("PAIRS", pairs), ("SCALE", scale), ("NEXT", nxt)]
+def _template(dtype: str, d: int, scale: bool, nxt: bool, max_threads: int | None = None) -> list:
+    tg, quads = _geometry(d, max_threads)
+    return [("T", dtype), ("D", d), ("TG", tg), ("QUADS", quads), ("SCALE", scale), ("NEXT", nxt)]
 
 
 def _check(h, a, w_a, w_next, scale) -> None:
@@ -116,8 +136,6 @@ def _check(h, a, w_a, w_next, scale) -> None:
                          f"{None if w_next is None else w_next.shape}")  # fmt: skip
     if scale is not None and scale.size != 1:
         raise ValueError(f"scale must hold one value, got shape {scale.shape}")
-    if d % 2:
-        raise ValueError(f"row length must be even, got {d}")
 
 
 def residual_norm_reference(h, a, w_a, w_next, eps: float, scale=None):
@@ -131,9 +149,9 @@ def residual_norm_reference(h, a, w_a, w_next, eps: float, scale=None):
 
 def fusable(h, a, w_a, w_next, scale=None) -> bool:
     """True when the kernel computes exactly what the reference does: one dtype everywhere (a
-    scale of another dtype would promote `out`)."""
+    scale of another dtype would promote `out`), rows a multiple of 4 elements (its loads)."""
     arrays = [a, w_a] + [t for t in (w_next, scale) if t is not None]
-    return h.dtype in (mx.float32, mx.bfloat16) and all(t.dtype == h.dtype for t in arrays) and h.shape[-1] % 2 == 0
+    return h.dtype in (mx.float32, mx.bfloat16) and all(t.dtype == h.dtype for t in arrays) and h.shape[-1] % 4 == 0
 
 
 def residual_norm(h, a, w_a, w_next, eps: float, scale=None):
@@ -183,7 +201,7 @@ def residual_norm_np(h, a, w_a, w_next, eps: float, scale=None, bf16: bool = Fal
     return out, (None if w_next is None else norm(out, w_next))
 
 
-def _case(rng: np.random.Generator, rows: int, d: int, dtype: str, scale: bool, nxt: bool):
+def _case(rng: np.random.Generator, rows: int, d: int, dtype: str, scale: bool, nxt: bool, max_threads: int = 512):
     from .registry import KernelCase, bf16_to_f32, f32_to_bf16
 
     bf16 = dtype == "bfloat16"
@@ -193,6 +211,7 @@ def _case(rng: np.random.Generator, rows: int, d: int, dtype: str, scale: bool, 
     if bf16:
         vals = {k: bf16_to_f32(f32_to_bf16(v)) for k, v in vals.items()}
     eps = 1e-6
+    tg, quads = _geometry(d, max_threads)
     out, x = residual_norm_np(vals["h"], vals["a"], vals["w_a"], vals["w_next"] if nxt else None, eps,
                               vals["scale"][0] if scale else None, bf16)  # fmt: skip
     inputs = {k: (f32_to_bf16(v) if bf16 else v) for k, v in vals.items()}
@@ -200,18 +219,22 @@ def _case(rng: np.random.Generator, rows: int, d: int, dtype: str, scale: bool, 
     # bf16: the sum order may move a value across a rounding boundary (one bf16 step, 2^-8)
     tol = dict(rtol=8e-3, atol=1e-2) if bf16 else dict(rtol=2e-5, atol=1e-5)
     return KernelCase(
-        inputs=inputs, template=_template(dtype, d, scale, nxt), grid=(_geometry(d)[0] * rows, 1, 1),
-        threadgroup=(_geometry(d)[0], 1, 1), output_shapes=[(rows, d), (rows, d) if nxt else (1,)],
+        inputs=inputs, template=_template(dtype, d, scale, nxt, max_threads), grid=(tg * rows, 1, 1),
+        threadgroup=(tg, 1, 1), output_shapes=[(rows, d), (rows, d) if nxt else (1,)],
         output_dtypes=[dtype, dtype], expected=[out] + ([x] if nxt else []),
         input_dtypes={k: dtype for k in ("h", "a", "w_a", "w_next", "scale")} if bf16 else {},
-        label=f"rows={rows} D={d} {dtype}{' scale' if scale else ''}{' next' if nxt else ''}", **tol,
+        label=f"rows={rows} D={d} TG={tg} QUADS={quads} {dtype}{' scale' if scale else ''}{' next' if nxt else ''}",
+        **tol,
     )  # fmt: skip
 
 
 def _cases(rng: np.random.Generator):
-    return [_case(rng, 3, 70, "float32", False, True), _case(rng, 2, 600, "float32", True, True),
-            _case(rng, 1, 1030, "float32", True, False), _case(rng, 2, 96, "bfloat16", True, True),
-            _case(rng, 2, 4, "float32", False, True)]  # fmt: skip
+    # idle threads in the last quad row (68: 17 quads on 32 threads), several quads per thread
+    # with a partial last one (360 on 32 threads: 3 quads each, 90 of 96 used), one quad each
+    return [_case(rng, 3, 68, "float32", False, True), _case(rng, 2, 600, "float32", True, True),
+            _case(rng, 1, 1028, "float32", True, False), _case(rng, 2, 96, "bfloat16", True, True),
+            _case(rng, 2, 4, "float32", False, True), _case(rng, 2, 360, "float32", True, True, max_threads=32),
+            _case(rng, 1, 360, "bfloat16", False, True, max_threads=64)]  # fmt: skip
 
 
 def kernel_specs():

@@ -24,7 +24,7 @@ def _inputs(rng, rows, d, bf16):
     return [bf16_to_f32(f32_to_bf16(v)) for v in vals] if bf16 else vals
 
 
-@pytest.mark.parametrize("d", [5376, 2816, 2560, 3840, 1536, 70])
+@pytest.mark.parametrize("d", [5376, 2816, 2560, 3840, 1536, 68, 70])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("scale,nxt", [(False, True), (True, True), (True, False)])
 def test_kernel_matches_oracle_and_mlx(d, dtype, scale, nxt):
