@@ -24,7 +24,7 @@ import mlx.core as mx
 
 __all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "mlx_kernel_name", "clear_kernel_cache",
            "KernelSource", "MX_DTYPES", "dtype_name", "template_args", "KERNELS_ENV", "UNPROVEN_ENV",
-           "PROVEN", "FAMILIES", "geometry_override", "geometry_fields", "replace_geometry"]
+           "PROVEN", "CUDA_ONLY", "FAMILIES", "geometry_override", "geometry_fields", "replace_geometry"]
 
 KERNELS_ENV = "GEMMA4_MLX_KERNELS"
 """Environment variable: ``reference`` forces the pure-MLX references even on a GPU build."""
@@ -32,17 +32,22 @@ KERNELS_ENV = "GEMMA4_MLX_KERNELS"
 UNPROVEN_ENV = "GEMMA4_MLX_UNPROVEN_KERNELS"
 """Comma-separated op families the model uses only when named here: families not on by default,
 because they have not passed ``pytest -m gpu`` on real hardware yet or showed no measured gain there
-(``norm``, ``norm_rope``)."""
+(``norm_rope``; on Metal also the CUDA_ONLY ones)."""
 
-PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split"})
+PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split",
+                    "norm"})  # fmt: skip
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
 (a dense MLP's one-token gate|up through the split-K gate/up kernel, CUDA only) its operator and
-model tests in session 8 (the whole `pytest -m gpu` ran at the commit before it: 163 passed). The exact texts
-that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
+model tests in session 8 (the whole `pytest -m gpu` ran at the commit before it: 163 passed); "norm"
+(the residual add between two RMS norms in one launch) its operator and model tests in session 9. The
+exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
-FAMILIES = PROVEN | {"norm", "norm_rope"}
+CUDA_ONLY = frozenset({"gate_up_split", "norm"})
+"""PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
+
+FAMILIES = PROVEN | {"norm_rope"}
 """Every op family the model can use: the PROVEN ones and the opt-in ones (UNPROVEN_ENV)."""
 
 _kernel_cache: dict[tuple, Callable] = {}
@@ -111,7 +116,9 @@ def use_kernel(family: str) -> bool:
     if use_reference():
         return False
     opted = {f.strip() for f in os.environ.get(UNPROVEN_ENV, "").split(",") if f.strip()}
-    return family in PROVEN or family in opted
+    if family in opted:
+        return True
+    return family in PROVEN and (family not in CUDA_ONLY or backend() == "cuda")
 
 
 def mlx_kernel_name(name: str, header: str, source: str) -> str:

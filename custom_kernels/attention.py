@@ -496,27 +496,6 @@ def _text(body: str) -> dict[str, tuple[str, str]]:
 
 _PARTIAL = KernelSource("g4_attn_decode_partial", ("q", "k", "v", "kpos", "qpos", "n_slots"), ("ml", "pacc"),
                       _text(_PARTIAL_BODY))  # fmt: skip
-
-# The value phase above requests V rows 4 slots at a time. The "values batch" form (template VB,
-# 8..TS slots, VB | TS) requests the V rows of VB slots before it uses any: one memory latency per
-# VB slots. A masked slot is not read; its probability is exactly 0. Its own kernel name, so the
-# proven 4-slot text stays as it is.
-_VALUES_LOOP = (r"""    for (int c = 0; c < TS; c += 4) {
-      bool okv[4];
-      bool some = false;
-      $unroll for (int u = 0; u < 4; ++u) { okv[u] = ok_s[c + u] != 0; some = some || okv[u]; }
-      if (!some) continue;
-      float vv[4][4];
-      $unroll for (int u = 0; u < 4; ++u) {
-        if (okv[u]) {""", r"""    $unroll for (int c = 0; c < TS; c += VB) {
-      float vv[VB][4];
-      $unroll for (int u = 0; u < VB; ++u) {
-        if (ok_s[c + u] != 0) {""")
-_VALUES_SUM = ("          $unroll for (int u = 0; u < 4; ++u) {\n            const float p = s_s[r * TS + c + u];",
-               "          $unroll for (int u = 0; u < VB; ++u) {\n            const float p = s_s[r * TS + c + u];")
-assert _VALUES_LOOP[0] in _PARTIAL_BODY and _PARTIAL_BODY.count(_VALUES_SUM[0]) == 1
-_PARTIAL_VB = KernelSource("g4_attn_decode_partial_vb", _PARTIAL.input_names, _PARTIAL.output_names,
-                           _text(_PARTIAL_BODY.replace(*_VALUES_LOOP).replace(*_VALUES_SUM)))  # fmt: skip
 _MERGE = KernelSource("g4_attn_decode_merge", ("ml", "pacc", "n_slots"), ("out",), _text(_MERGE_BODY))
 
 
@@ -532,9 +511,7 @@ class AttentionConfig:
     """Geometry: ``rows`` query rows per threadgroup at most (QT), ``simd_groups`` (NSG),
     ``tile`` slots per tile (TS), ``min_chunk`` slots per partition at least (CMIN),
     ``target_groups`` threadgroups to aim for at full length when choosing the partition count,
-    ``max_parts`` partitions at most (long caches then get longer partitions), and ``values_batch``
-    slots whose V rows the value phase requests before it uses any (VB; 4: the first kernel,
-    8..tile: g4_attn_decode_partial_vb)."""
+    and ``max_parts`` partitions at most (long caches then get longer partitions)."""
 
     rows: int = 16
     simd_groups: int = 4
@@ -542,7 +519,6 @@ class AttentionConfig:
     min_chunk: int = 256
     target_groups: int = 512
     max_parts: int = 4096
-    values_batch: int = 4
 
     def __post_init__(self):
         if not 1 <= self.rows <= 64:
@@ -557,8 +533,6 @@ class AttentionConfig:
             raise ValueError("target_groups must be positive")
         if self.max_parts < 1:
             raise ValueError("max_parts must be positive")
-        if self.values_batch not in (4, 8, 16, 32) or self.tile % self.values_batch:
-            raise ValueError("values_batch must be 4, 8, 16 or 32 and divide tile")
 
 
 GEOMETRY_ENV = "GEMMA4_MLX_ATTENTION_GEOMETRY"
@@ -604,7 +578,6 @@ class DecodePlan:
     out_shape: tuple[int, int, int, int]
     parts: int
     shared_bytes: int
-    values_batch: int = 4  # > 4: the partial kernel is g4_attn_decode_partial_vb
 
 
 def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: int, q_dtype: str, kv_dtype: str,
@@ -634,7 +607,6 @@ def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: i
     if shared > _SHARED_LIMIT[which]:
         raise ValueError(f"{shared} bytes of threadgroup memory exceed {which}'s {_SHARED_LIMIT[which]}")
     template = common + [("QT", qt), ("TS", cfg.tile), ("NSG", cfg.simd_groups), ("CMIN", cfg.min_chunk)]
-    template += [("VB", cfg.values_batch)] if cfg.values_batch > 4 else []
     # partitions: enough to reach target_groups threadgroups, within [1, slots / min_chunk], <= max_parts
     parts = max(1, min(-(-slots // cfg.min_chunk), -(-cfg.target_groups // (bh * zs)), cfg.max_parts))
     return DecodePlan(
@@ -648,7 +620,6 @@ def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: i
         out_shape=(batch, n_q, m, head_dim),
         parts=parts,
         shared_bytes=shared,
-        values_batch=cfg.values_batch,
     )
 
 
@@ -670,11 +641,6 @@ def _slots_array(n_slots, slots: int) -> mx.array:
     return mx.clip(n_slots.astype(mx.int32).reshape(1), 0, slots)
 
 
-def partial_source(plan: DecodePlan) -> KernelSource:
-    """The partial kernel a plan launches."""
-    return _PARTIAL_VB if plan.values_batch > 4 else _PARTIAL
-
-
 def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
                             q_positions: mx.array, window: int | None = None, n_slots=None,
                             config: AttentionConfig | None = None,
@@ -686,7 +652,7 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
     B, n_q, M, D, n_kv, S = _check(q, k_cache, v_cache, positions, q_positions, window)
     plan = plan_decode(B, n_q, n_kv, M, S, D, dtype_name(q.dtype), dtype_name(k_cache.dtype), window, config)
     bound = _slots_array(n_slots, S)
-    partial, merge = partial_source(plan).kernel(), _MERGE.kernel()
+    partial, merge = _PARTIAL.kernel(), _MERGE.kernel()
     ml, pacc = partial(
         inputs=[q, k_cache, v_cache, positions.astype(mx.int32), q_positions.astype(mx.int32), bound],
         template=template_args(plan.partial_template),
@@ -950,21 +916,6 @@ def _partial_cases(rng: np.random.Generator):
     ]  # fmt: skip
 
 
-def _partial_vb_cases(rng: np.random.Generator):
-    c = AttentionConfig
-    return [
-        # values batches of 8 and 16 slots: a ring with empty and past-window slots (a batch with
-        # no slot any row attends), and a full layer with idle partitions and a partial last tile
-        _partial_case(rng, "bfloat16", "bfloat16", 1, 4, 2, 2, 256, _ring(40, 60, 99, empty=(3, 17)), [98, 99], 30,
-                      40, c(rows=8, simd_groups=4, tile=16, min_chunk=16, target_groups=4, values_batch=8)),
-        _partial_case(rng, "float32", "bfloat16", 1, 8, 1, 1, 512, np.arange(48), [36], None, 37,
-                      c(rows=8, simd_groups=4, tile=16, min_chunk=16, target_groups=8, values_batch=16)),
-        # the 31B sliding shape's geometry (G = 2, tile 32) with VB = 32: one batch per tile
-        _partial_case(rng, "bfloat16", "bfloat16", 1, 4, 2, 1, 256, _ring(70, 100, 169, empty=(9,)), [169], 50, 70,
-                      c(rows=16, simd_groups=4, tile=32, min_chunk=32, target_groups=8, values_batch=32)),
-    ]  # fmt: skip
-
-
 def _merge_cases(rng: np.random.Generator):
     c = AttentionConfig
     return [
@@ -992,7 +943,7 @@ def kernel_specs():
     from .registry import KernelSpec
 
     specs = []
-    for kdef, cases in ((_PARTIAL, _partial_cases), (_PARTIAL_VB, _partial_vb_cases), (_MERGE, _merge_cases)):
+    for kdef, cases in ((_PARTIAL, _partial_cases), (_MERGE, _merge_cases)):
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
         specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs, cases))
     return specs

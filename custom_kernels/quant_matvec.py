@@ -1546,7 +1546,7 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int) -> mx.array:
     if m > 1:
         gu = quant_matvec(x, blocks, ggml_type, 2 * f).astype(mx.float32)
         return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
-    if use_kernel("gate_up_split") and backend() == "cuda":  # Metal keeps the unsplit kernel (not measured)
+    if use_kernel("gate_up_split"):  # CUDA_ONLY: Metal keeps the unsplit kernel unless opted in
         out = launch_gate_up(x.reshape(m, k), _ONE_EXPERT, blocks[None], ggml_type, f, gate_up_split_config())
     else:
         out = _gate_up(x.reshape(m, k), _ONE_EXPERT, blocks[None], ggml_type, f)

@@ -5,7 +5,6 @@ hold NaN, so an unwritten output or a read of a masked slot fails. Run with ``py
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 
 import mlx.core as mx
@@ -100,28 +99,11 @@ def test_kernel_matches_oracle(name, n_q, n_kv, D, layout, dtype):
             _check(every, want, bound, dtype, f"{name} M={M} {dtype} all slots")
 
 
-@pytest.mark.parametrize("name, n_q, n_kv, D, layout", SHAPES, ids=[s[0] for s in SHAPES])
-@pytest.mark.parametrize("values_batch", [16, 32])
-def test_values_batch_kernel_matches_oracle(name, n_q, n_kv, D, layout, values_batch):
-    """g4_attn_decode_partial_vb (V rows of 16 / 32 slots requested at once) at the default
-    geometry otherwise: M = 1 and 8, bf16, poisoned outputs and unused cache slots."""
-    rng = np.random.default_rng(zlib.crc32(name.encode()) + values_batch)
-    cfg = dataclasses.replace(at.default_config(D), values_batch=values_batch)
-    for M in (1, 8):
-        pos, qpos, window, n_slots = _layout(name, layout, M)
-        args, want, bound = _problem(rng, 1, n_q, n_kv, M, D, pos, qpos, window, mx.bfloat16, n_slots)
-        out = at.launch_decode_attention(*args, window, n_slots=n_slots, config=cfg, init_value=NAN)
-        _check(out, want, bound, mx.bfloat16, f"{name} M={M} VB={values_batch}")
-
-
 @pytest.mark.parametrize("config", [
     at.AttentionConfig(rows=8, simd_groups=4, tile=32, min_chunk=256, target_groups=512),
     at.AttentionConfig(rows=16, simd_groups=8, tile=64, min_chunk=128, target_groups=1024),
     at.AttentionConfig(rows=4, simd_groups=4, tile=8, min_chunk=64, target_groups=64),
     at.AttentionConfig(rows=16, simd_groups=4, tile=32, min_chunk=32, target_groups=8192, max_parts=512),
-    at.AttentionConfig(rows=16, simd_groups=4, tile=32, min_chunk=32, target_groups=4096, values_batch=8),
-    at.AttentionConfig(rows=16, simd_groups=4, tile=32, min_chunk=64, target_groups=4096, values_batch=32),
-    at.AttentionConfig(rows=8, simd_groups=4, tile=16, min_chunk=16, target_groups=8192, values_batch=16),
 ])  # fmt: skip
 def test_geometries(config):
     """Other geometries: query tiles (several per kv head), tiles, partition sizes; D = 512 and 256."""
