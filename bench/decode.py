@@ -651,6 +651,15 @@ def trace_breakdown(step, first: mx.array, steps: int = 8) -> dict:
                 stage_launches={k: s["stages"][k]["launches"] for k in TRACE_STAGES if k in s["stages"]})
 
 
+def breakdown_seconds(round_s: dict, main_s: float, traced: bool) -> float:
+    """Time a row's stage breakdown should be given before --budget-s: a trace costs a few warm
+    rounds (each engine's fastest: its first round also compiles the kernels, minutes in a fresh
+    CUDA process); the timed variants compile and time four more steps, ~2x the main rounds."""
+    if not traced:
+        return 2 * main_s
+    return 30.0 + 3 * sum(min(v) for v in round_s.values() if v)
+
+
 def round_spread_ms(entry: dict) -> float | None:
     """Max - min ms per token over an engine's rounds (None with fewer than two)."""
     rates = [r for r in entry.get("rounds") or [] if r]
@@ -886,8 +895,8 @@ def measure_row(m, cfg, n, engines, info, copy, args, breakdown: bool, deadline:
         row[e.name] = entry
     if OURS in row and MLX_LM in row and "tok_s" in row[OURS] and "tok_s" in row[MLX_LM]:
         row["ratio_vs_mlx_lm"] = row[OURS]["tok_s"] / row[MLX_LM]["tok_s"]
-    # breakdown: only if the time left covers ~2x what the main rounds took
-    if breakdown and time.time() + 2 * main_s > deadline:
+    traced = custom_kernels.backend() == "cuda" and trace_available()
+    if breakdown and time.time() + breakdown_seconds(row.get("round_s", {}), main_s, traced) > deadline:
         row["breakdown_skipped"] = "budget"
     elif breakdown:
         for e in live:
@@ -895,7 +904,7 @@ def measure_row(m, cfg, n, engines, info, copy, args, breakdown: bool, deadline:
             if "tok_s" not in entry:
                 continue
             try:
-                if custom_kernels.backend() == "cuda" and trace_available():
+                if traced:
                     entry["trace"] = trace_breakdown(e.full_step(), first)
                 else:
                     variants = e.variants(n, extra(e), lambda step: run(step))

@@ -127,6 +127,16 @@ def test_breakdown_contexts_option():
     assert bd.breakdown_contexts("", False) == set() and bd.breakdown_contexts("128, 4096", True) == {128, 4096}
 
 
+def test_breakdown_budget_ignores_the_compiling_first_round():
+    """Session 9 on the H200: the 31B row's first round compiled kernels for 151 s, and 2x the main
+    rounds skipped a trace breakdown that takes seconds. A trace is now given 30 s + 3x the warm
+    rounds (each engine's fastest); the timed variants keep 2x the main rounds."""
+    round_s = {"gemma4_mlx": [151.0, 0.67], "mlx_lm": [1.30, 0.92]}
+    assert bd.breakdown_seconds(round_s, 155.0, traced=True) == pytest.approx(30.0 + 3 * (0.67 + 0.92))
+    assert bd.breakdown_seconds(round_s, 155.0, traced=False) == 310.0
+    assert bd.breakdown_seconds({}, 10.0, traced=True) == 30.0
+
+
 @pytest.mark.parametrize("n", [16, 100])
 def test_direct_fill_matches_a_prefill(n):
     """The filled caches have the shapes, offsets and ring slot positions a real prefill leaves, and
