@@ -845,7 +845,11 @@ def plan_launch(ggml_type: int, kind: str, dtype_name: str, m: int, n: int, k: i
 
 
 def _run(kdef: _KernelDef | KernelSource, inputs: Sequence[mx.array], plan: LaunchPlan, dtype: mx.Dtype,
-         init_value: float | None = None) -> mx.array:  # fmt: skip
+         init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+    """One launch -> the output, in ``out_shape`` when given (the plan's element count in another
+    shape: the kernels index their output flat, so the caller needs no reshape node)."""
+    if out_shape is not None and math.prod(out_shape) != math.prod(plan.output_shape):
+        raise ValueError(f"output shape {out_shape} does not hold the {plan.output_shape} result")
     kernel = get_kernel(kdef.name, kdef.input_names, kdef.output_names, kdef.text["metal"], kdef.text["cuda"])
     template = template_args(plan.template)
     (out,) = kernel(
@@ -853,7 +857,7 @@ def _run(kdef: _KernelDef | KernelSource, inputs: Sequence[mx.array], plan: Laun
         template=template,
         grid=plan.grid,
         threadgroup=plan.threadgroup,
-        output_shapes=[plan.output_shape],
+        output_shapes=[out_shape or plan.output_shape],
         output_dtypes=[dtype],
         init_value=init_value,
     )
@@ -861,12 +865,13 @@ def _run(kdef: _KernelDef | KernelSource, inputs: Sequence[mx.array], plan: Laun
 
 
 def launch_dense(x2: mx.array, blocks: mx.array, ggml_type: int, n: int,
-                 config: KernelConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
-    """Run the dense kernel on x2 [M <= 8, K] (no fallback; GPU builds only) -> [M, N]."""
+                 config: KernelConfig | None = None, init_value: float | None = None,
+                 out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+    """Run the dense kernel on x2 [M <= 8, K] (no fallback; GPU builds only) -> [M, N] (or out_shape)."""
     m, k = x2.shape
     plan = plan_launch(ggml_type, "dense", dtype_name(x2.dtype), m, n, k, config=config)
     kdef = _kernel_def(ggml_type, "dense", plan.in_place, plan.k_split)
-    return _run(kdef, [x2, blocks], plan, x2.dtype, init_value)
+    return _run(kdef, [x2, blocks], plan, x2.dtype, init_value, out_shape)
 
 
 def launch_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, n: int,
@@ -881,12 +886,14 @@ def launch_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, 
 
 
 def launch_gate_up(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, f: int,
-                   config: KernelConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
-    """Run the fused gate/up kernel (no fallback; GPU builds only) -> [M, k, F]."""
+                   config: KernelConfig | None = None, init_value: float | None = None,
+                   out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+    """Run the fused gate/up kernel (no fallback; GPU builds only) -> [M, k, F] (or out_shape)."""
     m, slots = ids.shape
     k = x.shape[-1]
     plan = plan_launch(ggml_type, "gate_up", dtype_name(x.dtype), m, f, k, slots, config=config)
-    return _run(_kernel_def(ggml_type, "gate_up", False, plan.k_split), [x, ids, blocks], plan, x.dtype, init_value)
+    kdef = _kernel_def(ggml_type, "gate_up", False, plan.k_split)
+    return _run(kdef, [x, ids, blocks], plan, x.dtype, init_value, out_shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1520,12 +1527,11 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
         return matvec_reference(x, blocks, ggml_type, n)
     x2 = x.reshape(m, x.shape[-1])
     if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1], m):
-        out = launch_dense_stream(x2, blocks, n)
-    elif ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
-        out = launch_dense_mma(x2, blocks, n)
-    else:
-        out = launch_dense(x2, blocks, ggml_type, n)
-    return out.reshape(*lead, n)
+        return launch_dense_stream(x2, blocks, n).reshape(*lead, n)
+    if ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
+        return launch_dense_mma(x2, blocks, n).reshape(*lead, n)
+    # out_shape: no reshape node (each graph node costs host time in a decode step)
+    return launch_dense(x2, blocks, ggml_type, n, out_shape=(*lead, n))
 
 
 def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int) -> mx.array:
@@ -1547,10 +1553,9 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int) -> mx.array:
         gu = quant_matvec(x, blocks, ggml_type, 2 * f).astype(mx.float32)
         return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
     if use_kernel("gate_up_split"):  # CUDA_ONLY: Metal keeps the unsplit kernel unless opted in
-        out = launch_gate_up(x.reshape(m, k), _ONE_EXPERT, blocks[None], ggml_type, f, gate_up_split_config())
-    else:
-        out = _gate_up(x.reshape(m, k), _ONE_EXPERT, blocks[None], ggml_type, f)
-    return out.reshape(*lead, f)
+        return launch_gate_up(x.reshape(m, k), _ONE_EXPERT, blocks[None], ggml_type, f, gate_up_split_config(),
+                              out_shape=(*lead, f))  # fmt: skip
+    return _gate_up(x.reshape(m, k), _ONE_EXPERT, blocks[None], ggml_type, f).reshape(*lead, f)
 
 
 GATE_UP_SPLIT_GEOMETRY_ENV = "GEMMA4_MLX_GATE_UP_SPLIT_GEOMETRY"

@@ -7,6 +7,7 @@ Parameter names mirror transformers' `Gemma4ForCausalLM` (`model.layers.N.self_a
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import mlx.core as mx
@@ -68,6 +69,23 @@ class ExpertLinear(nn.Module):
         return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices)
 
 
+def _split_heads(y: mx.array, heads: int) -> mx.array:
+    """[B, T, heads * d] -> [B, heads, T, d]. One token: a reshape alone (one graph node, not two;
+    every node costs host time in a decode step)."""
+    B, T, _ = y.shape
+    if T == 1:
+        return y.reshape(B, heads, 1, -1)
+    return y.reshape(B, T, heads, -1).transpose(0, 2, 1, 3)
+
+
+def _merge_heads(y: mx.array) -> mx.array:
+    """[B, heads, T, d] -> [B, T, heads * d] (one token: a reshape alone)."""
+    B, _, T, _ = y.shape
+    if T == 1:
+        return y.reshape(B, 1, -1)
+    return y.transpose(0, 2, 1, 3).reshape(B, T, -1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
@@ -121,14 +139,19 @@ class Attention(nn.Module):
             return norm_rope(y, (s.num_heads, hkv, s.head_dim, s.k_eq_v), self.q_norm.weight,
                              None if s.kv_shared else self.k_norm.weight, q_pos, self.q_norm.eps,
                              self._inv_freq)  # fmt: skip
-        q, *kv = self.project(x)
-        q = self.rope(self.q_norm(q.reshape(B, T, s.num_heads, s.head_dim)).transpose(0, 2, 1, 3), offset)
+        counts = [s.num_heads] + ([] if s.kv_shared else [s.num_kv_heads] * (1 if s.k_eq_v else 2))
+        if T == 1 and len(counts) > 1 and fused is not None and fused.intact():
+            # one token: the fused output becomes heads once, then one split along the head axis
+            y = fused.matvec(x).reshape(B, sum(counts), 1, s.head_dim)
+            q, *kv = mx.split(y, list(itertools.accumulate(counts))[:-1], axis=1)
+        else:
+            q, *kv = (_split_heads(t, n) for t, n in zip(self.project(x), counts))
+        q = self.rope(self.q_norm(q), offset)
         if s.kv_shared:
             return q, None, None
-        k = kv[0].reshape(B, T, s.num_kv_heads, s.head_dim)
-        v = k if s.k_eq_v else kv[1].reshape(B, T, s.num_kv_heads, s.head_dim)
-        k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
-        return q, k, self.v_norm(v).transpose(0, 2, 1, 3)
+        k = kv[0]
+        v = k if s.k_eq_v else kv[1]
+        return q, self.rope(self.k_norm(k), offset), self.v_norm(v)
 
     def __call__(self, x, offset, q_pos, cache, shared_kv, mask_fn):
         """x [B, T, H] -> [B, T, H]; offset: positions held before this step (int, or the int32
@@ -154,7 +177,7 @@ class Attention(nn.Module):
                                    s.sliding_window, n_slots=n_slots)
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask_fn(s, positions))
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+        return self.o_proj(_merge_heads(out))
 
 
 class MLP(nn.Module):
@@ -277,15 +300,17 @@ class TextModel(nn.Module):
         e = self.embed_tokens(tokens)
         return e * mx.array(self.cfg.hidden_size ** 0.5, dtype=mx.float32).astype(e.dtype)
 
-    def per_layer_inputs(self, tokens: mx.array, h: mx.array) -> mx.array:
-        """PLE inputs [B, T, L, D] (§4.1) from token ids and the scaled embeddings h."""
+    def per_layer_inputs(self, tokens: mx.array, h: mx.array) -> list[mx.array]:
+        """PLE inputs (§4.1) from token ids and the scaled embeddings h: one [B, T, D] per layer
+        (one split node for all of them, not a slice and a squeeze per layer)."""
         cfg = self.cfg
         L, D = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
         t = self.embed_tokens_per_layer(tokens)
         t = t * mx.array(D ** 0.5, dtype=mx.float32).astype(t.dtype)
         p = self.per_layer_model_projection(h) * (cfg.hidden_size ** -0.5)
         p = self.per_layer_projection_norm(p.reshape(*h.shape[:-1], L, D))
-        return (p + t.reshape(*tokens.shape, L, D)) * (2.0 ** -0.5)
+        ple = (p + t.reshape(*tokens.shape, L, D)) * (2.0 ** -0.5)
+        return mx.split(ple.reshape(*tokens.shape, L * D), L, axis=-1)
 
     def __call__(self, tokens, cache=None, hidden_states: list | None = None):
         B, T = tokens.shape
@@ -312,7 +337,7 @@ class TextModel(nn.Module):
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, x = layer(h, x, offset, q_pos, cache[i] if cache else None, shared_kv, mask_fn,
-                         ple[:, :, i] if ple is not None else None, next_norm)
+                         ple[i] if ple is not None else None, next_norm)
             if hidden_states is not None:
                 hidden_states.append(h)
         return x  # self.norm(h)

@@ -56,3 +56,25 @@ def test_command_line_writes_the_counts(graph_count, tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["model"] == "tiny-dense" and doc["layers"] == 6 and doc["body_total"] > 0
     assert "per layer" in capsys.readouterr().out
+
+
+def test_one_token_step_has_few_view_nodes(graph_count):
+    """Every graph node costs host time in a decode step. At one token the heads are reshapes (no
+    transposes), q/k/v come from one split along the head axis, the matvec outputs need no
+    reshape, and the per-layer inputs are one split for all layers (no slice + squeeze per layer):
+    view nodes grow by at most 11 per layer (17 + 4 transposes + 2 before, session 9)."""
+    import decode
+
+    from gemma4_mlx.config import FULL, SLIDING
+
+    def views(layers):
+        cfg = decode._tiny(head_dim=256, global_head_dim=512, num_hidden_layers=layers, num_key_value_heads=1,
+                           layer_types=([SLIDING] * 3 + [FULL]) * (layers // 4), hidden_size_per_layer_input=64,
+                           vocab_size_per_layer_input=2048)  # fmt: skip
+        body = graph_count.step_counts(cfg, 40)["body"]
+        return {k: body.get(k, 0) for k in ("Reshape", "Transpose", "Slice", "Squeeze")}
+
+    four, eight = views(4), views(8)
+    assert four["Transpose"] == eight["Transpose"] == 0
+    assert four["Slice"] == eight["Slice"] and four["Squeeze"] == eight["Squeeze"]
+    assert 0 < eight["Reshape"] - four["Reshape"] <= 11 * 4
