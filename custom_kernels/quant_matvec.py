@@ -1534,15 +1534,18 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     return launch_dense(x2, blocks, ggml_type, n, out_shape=(*lead, n))
 
 
-def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int) -> mx.array:
+def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: mx.array | None = None) -> mx.array:
     """Dense fused gate/up (an MLP's gate_proj and up_proj stored as one matrix): x [..., K],
     Q4_0 / Q8_0 blocks [2F, ...] whose rows 0..F-1 are gate and F..2F-1 up -> gelu_tanh(gate) * up
     [..., F] in x.dtype. One row on a GPU: the expert gate/up kernel with the matrix as the only
     expert (one launch, f32 product rounded once), split K on CUDA (H200 31B step: 97 -> 82 us
     against the stream kernel). 2..8 rows: the dense kernel over all 2F rows, then the product in
     f32 from its x.dtype outputs (the expert kernel would re-read the weights per row: 504 us vs
-    88 us for three ops at the 31B shape, M = 8). Else the reference."""
+    88 us for three ops at the 31B shape, M = 8). Else the reference. ``one_expert``: the same
+    blocks as [1, 2F, row_bytes], evaluated (a caller that keeps it spares the step an expand node)."""
     k = _check_dense(x, blocks, ggml_type, 2 * f)
+    if one_expert is not None and one_expert.shape != (1, *blocks.shape):
+        raise ValueError(f"one_expert must be blocks as [1, {', '.join(map(str, blocks.shape))}], got {one_expert.shape}")
     if ggml_type not in (Q4_0, Q8_0):
         raise ValueError(f"gate_up: Q4_0 or Q8_0 blocks only, got GGML type {ggml_type}")
     lead = x.shape[:-1]
@@ -1552,10 +1555,11 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int) -> mx.array:
     if m > 1:
         gu = quant_matvec(x, blocks, ggml_type, 2 * f).astype(mx.float32)
         return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
+    experts = blocks[None] if one_expert is None else one_expert
     if use_kernel("gate_up_split"):  # CUDA_ONLY: Metal keeps the unsplit kernel unless opted in
-        return launch_gate_up(x.reshape(m, k), _ONE_EXPERT, blocks[None], ggml_type, f, gate_up_split_config(),
+        return launch_gate_up(x.reshape(m, k), _ONE_EXPERT, experts, ggml_type, f, gate_up_split_config(),
                               out_shape=(*lead, f))  # fmt: skip
-    return _gate_up(x.reshape(m, k), _ONE_EXPERT, blocks[None], ggml_type, f).reshape(*lead, f)
+    return _gate_up(x.reshape(m, k), _ONE_EXPERT, experts, ggml_type, f).reshape(*lead, f)
 
 
 GATE_UP_SPLIT_GEOMETRY_ENV = "GEMMA4_MLX_GATE_UP_SPLIT_GEOMETRY"

@@ -169,7 +169,10 @@ class FusedBlockLinear:
         for m, a, b in zip(modules, bounds[:-1], bounds[1:]):
             m.blocks = self.blocks[a:b]
         self.views = [m.blocks for m in modules]
-        mx.eval(self.views)
+        # the gate/up kernel's one-expert form [1, sum(out), row_bytes]: an evaluated view (no
+        # copy), so a decode step holds no expand node for it
+        self.one_expert = self.blocks[None]
+        mx.eval(self.views, self.one_expert)
 
     def intact(self) -> bool:
         """True while every module still holds its view of the fused matrix."""
@@ -189,7 +192,7 @@ class FusedBlockLinear:
         """Two modules (gate, up) of equal width F: gelu_tanh(x @ gate.T) * (x @ up.T) [..., F]."""
         from custom_kernels.quant_matvec import gate_up
 
-        return gate_up(x, self.blocks, self.ggml_type, self.sizes[0])
+        return gate_up(x, self.blocks, self.ggml_type, self.sizes[0], one_expert=self.one_expert)
 
 
 def _fusable(modules: list) -> bool:

@@ -258,6 +258,8 @@ def test_argument_errors():
         qm.q4_0_matvec_gather(x, ids, raw.reshape(1, 4, 36), 4)  # x has 1 row, ids 2
     with pytest.raises(ValueError, match="does not hold"):  # an output shape of another size
         qm.launch_dense(x, raw, qm.Q4_0, 4, out_shape=(1, 1, 5))
+    with pytest.raises(ValueError, match="one_expert"):  # not the same blocks as [1, 2F, row_bytes]
+        qm.gate_up(x, raw, qm.Q4_0, 2, one_expert=raw[None, :2])
 
 
 def test_launch_plans_cover_every_row():
