@@ -158,7 +158,7 @@ class Attention(nn.Module):
         array of a compiled step), q_pos: int32 [T] this step's positions (offset + 0..T-1, computed
         once per step by TextModel). Owners update `cache` and publish (K, V, positions, n_slots) in
         shared_kv[type] for the KV-shared consumers of this step; consumers read it from there."""
-        B, T, _ = x.shape
+        T = x.shape[1]
         s = self.spec
         q, k, v = self.heads(x, offset, q_pos)
         n_slots = None
