@@ -148,6 +148,21 @@ def test_raw_block_weights_match_affine_weights(any_fixture, qtype):
         assert (a.argmax(-1) == b.argmax(-1)).all()
 
 
+def test_batch_of_two_decodes_one_token_at_a_time(any_fixture):
+    """Two sequences decoded together through the fused raw-block projections (one token's heads
+    come from one split along the head axis, strided views for B = 2) give each sequence's own
+    logits."""
+    path = any_fixture.gguf("q8_0")
+    model, _ = load_gguf(path, dtype=mx.float32, progress=False, weight_format="blocks")
+    ids = np.stack([ids_for(any_fixture, 12, seed=21), ids_for(any_fixture, 12, seed=22)])
+    cache = make_cache(model.cfg)
+    model(mx.array(ids[:, :9]), cache)
+    steps = [np.array(model(mx.array(ids[:, t : t + 1]), cache)) for t in range(9, 12)]
+    for b in range(2):
+        alone = np.array(model(mx.array(ids[b : b + 1])))[0, 9:]
+        assert rel_err(np.concatenate([s_[b] for s_ in steps]), alone) <= 1e-5
+
+
 def test_fused_projections_share_one_copy_and_fall_back_when_replaced(any_fixture):
     """fuse_projections: each module's blocks is a view of the fused matrix holding the file's
     bytes; a module whose blocks are replaced afterwards turns the fused path off (same logits)."""
