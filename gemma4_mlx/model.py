@@ -272,7 +272,9 @@ class DecoderLayer(nn.Module):
         if self.spec.moe:
             weights, indices = self.router(h)
             moe = self.experts(self.pre_feedforward_layernorm_2(h), weights, indices)
-            m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(moe)
+            # post_ff_norm_1(m) + post_ff_norm_2(moe): the residual-norm op (one launch for the
+            # second norm and the add on GPUs)
+            m, _ = add_norm(self.post_feedforward_layernorm_1(m), moe, self.post_feedforward_layernorm_2)
         if self.ple:
             h, _ = add_norm(h, m, self.post_feedforward_layernorm)
             m = self.per_layer_projection(gelu_tanh(self.per_layer_input_gate(h)) * per_layer_input)
