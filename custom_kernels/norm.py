@@ -31,7 +31,8 @@ from . import KernelSource, backend, dtype_name, template_args, use_reference
 from .dialect import emit
 from .sampling import BLOCK_SUM
 
-__all__ = ["kernel_specs", "residual_norm", "residual_norm_reference", "residual_norm_np"]
+__all__ = ["kernel_specs", "residual_norm", "residual_norm_reference", "residual_norm_np", "residual_norm_moe",
+           "residual_norm_moe_reference", "residual_norm_moe_np"]
 
 # Template: T (dtype), D (row length, a multiple of 4), TG (threads), QUADS = ceil(D / (4 TG)),
 # SCALE, NEXT.
@@ -111,6 +112,43 @@ _LOCAL = {
 _RESIDUAL_NORM = KernelSource("g4_residual_norm", ("h", "a", "w_a", "w_next", "scale", "eps"), ("out", "x"),
                               emit(_BODY, _HELPERS, _LOCAL))  # fmt: skip
 
+# The MoE layers' post-attention form (kernel g4_residual_norm_moe, always NEXT): besides out and
+# x = w_next * n0 with n0 = T(out * r(out)), it writes the layer's other two norms of out, which
+# share n0: x2 = T(w_next2 * n0) (pre_feedforward_layernorm_2) and the router's input
+# xr = T(T(n0 * r_scale) * r_root) (weightless norm, times its scale vector and H^-1/2).
+_MOE_LOADS = ("      if (NEXT) g4_load4(w_next + c, wn + 4 * j);\n", """      if (NEXT) g4_load4(w_next + c, wn + 4 * j);
+      g4_load4(w_next2 + c, w2v + 4 * j);
+      g4_load4(r_scale + c, rsv + 4 * j);
+""")
+_MOE_REGS = ("  float wn[V];\n", """  float wn[V];
+  float w2v[V];
+  float rsv[V];
+  const float root = static_cast<float>(r_root[0]);
+""")
+_MOE_ZERO = ("      wn[4 * j + i] = 0.0f;\n", """      wn[4 * j + i] = 0.0f;
+      w2v[4 * j + i] = 0.0f;
+      rsv[4 * j + i] = 0.0f;
+""")
+_MOE_STORE = ("          x[base + c + i] = static_cast<T>(wn[4 * j + i] * g4n_round<T>(hv[4 * j + i] * rn));\n", """          const int k = 4 * j + i;
+          const float n0 = g4n_round<T>(hv[k] * rn);
+          x[base + c + i] = static_cast<T>(wn[k] * n0);
+          x2[base + c + i] = static_cast<T>(w2v[k] * n0);
+          xr[base + c + i] = static_cast<T>(g4n_round<T>(n0 * rsv[k]) * root);
+""")
+
+
+def _moe_body() -> str:
+    body = _BODY.replace("residual_norm:", "residual_norm_moe:", 1)
+    for old, new in (_MOE_REGS, _MOE_ZERO, _MOE_LOADS, _MOE_STORE):
+        assert body.count(old) == 1, old
+        body = body.replace(old, new)
+    return body
+
+
+_RESIDUAL_NORM_MOE = KernelSource(
+    "g4_residual_norm_moe", ("h", "a", "w_a", "w_next", "scale", "eps", "w_next2", "r_scale", "r_root"),
+    ("out", "x", "x2", "xr"), emit(_moe_body(), _HELPERS, _LOCAL))
+
 MAX_THREADS = {"cuda": 1024, "metal": 512}  # threads per row at most (Metal: a safe pipeline size)
 
 
@@ -178,6 +216,36 @@ def residual_norm(h, a, w_a, w_next, eps: float, scale=None):
     return out, (x if nxt else None)
 
 
+def residual_norm_moe_reference(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps: float):
+    """MLX ops of a MoE layer after attention: out = h + post_norm(a), x = next_norm(out),
+    x2 = next_norm2(out), xr = rms_norm(out) * r_scale * r_root (the router's input)."""
+    out, x = residual_norm_reference(h, a, w_a, w_next, eps)
+    return out, x, mx.fast.rms_norm(out, w_next2, eps), mx.fast.rms_norm(out, None, eps) * r_scale * r_root
+
+
+def residual_norm_moe(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps: float):
+    """(out, x, x2, xr) [..., D] as ``residual_norm_moe_reference``: one launch of
+    g4_residual_norm_moe on GPU builds when `fusable`, the MLX ops otherwise (op family
+    "norm_moe", opt-in until it passes ``pytest -m gpu``)."""
+    _check(h, a, w_a, w_next, None)
+    _check(h, a, w_next2, r_scale, None)
+    if use_reference() or not fusable(h, a, w_a, w_next) or not fusable(h, a, w_next2, r_scale):
+        return residual_norm_moe_reference(h, a, w_a, w_next, w_next2, r_scale, r_root, eps)
+    d = h.shape[-1]
+    rows = int(np.prod(h.shape[:-1], dtype=np.int64))
+    tg, _ = _geometry(d)
+    # r_root in the activation dtype: MLX rounds a Python scalar to the array's dtype
+    return _RESIDUAL_NORM_MOE.kernel()(
+        inputs=[h, a, w_a, w_next, w_a, mx.array([eps], dtype=mx.float32), w_next2, r_scale,
+                mx.array([r_root], dtype=h.dtype)],
+        template=template_args(_template(dtype_name(h.dtype), d, False, True)),
+        grid=(tg * rows, 1, 1),
+        threadgroup=(tg, 1, 1),
+        output_shapes=[h.shape] * 4,
+        output_dtypes=[h.dtype] * 4,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # numpy oracle and emulator / compile-test registry (see custom_kernels.registry)
 # --------------------------------------------------------------------------------------------
@@ -199,6 +267,51 @@ def residual_norm_np(h, a, w_a, w_next, eps: float, scale=None, bf16: bool = Fal
     if scale is not None:
         out = rnd(out * np.float32(scale))
     return out, (None if w_next is None else norm(out, w_next))
+
+
+def residual_norm_moe_np(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps: float, bf16: bool = False):
+    """numpy oracle of residual_norm_moe with the module's roundings (to bf16 when bf16=True)."""
+    from .registry import bf16_to_f32, f32_to_bf16
+
+    def rnd(v):
+        v = np.asarray(v, dtype=np.float32)
+        return bf16_to_f32(f32_to_bf16(v)) if bf16 else v
+
+    out, x = residual_norm_np(h, a, w_a, w_next, eps, None, bf16)
+    r = (1.0 / np.sqrt((out.astype(np.float64) ** 2).mean(axis=-1, keepdims=True) + eps)).astype(np.float32)
+    n0 = rnd(out * r)
+    return out, x, rnd(w_next2 * n0), rnd(rnd(n0 * r_scale) * rnd(np.float32(r_root)))
+
+
+def _moe_case(rng: np.random.Generator, rows: int, d: int, dtype: str, max_threads: int = 512):
+    from .registry import KernelCase, bf16_to_f32, f32_to_bf16
+
+    bf16 = dtype == "bfloat16"
+    vals = {"h": rng.standard_normal((rows, d)) * 4, "a": rng.standard_normal((rows, d)) * 0.3 + 0.1,
+            "w_a": rng.uniform(0.2, 2.0, d), "w_next": rng.uniform(0.2, 2.0, d), "w_next2": rng.uniform(0.2, 2.0, d),
+            "r_scale": rng.uniform(0.2, 2.0, d), "r_root": np.array([d ** -0.5])}  # fmt: skip
+    vals = {k: v.astype(np.float32) for k, v in vals.items()}
+    if bf16:
+        vals = {k: bf16_to_f32(f32_to_bf16(v)) for k, v in vals.items()}
+    eps = 1e-6
+    tg, quads = _geometry(d, max_threads)
+    want = residual_norm_moe_np(vals["h"], vals["a"], vals["w_a"], vals["w_next"], vals["w_next2"], vals["r_scale"],
+                                vals["r_root"][0], eps, bf16)  # fmt: skip
+    inputs = {k: (f32_to_bf16(v) if bf16 else v) for k, v in vals.items()}
+    inputs["eps"] = np.array([eps], dtype=np.float32)
+    inputs["scale"] = inputs["w_a"]  # unread (SCALE off): a stand-in, as the dispatcher passes
+    tol = dict(rtol=8e-3, atol=1e-2) if bf16 else dict(rtol=2e-5, atol=1e-5)
+    return KernelCase(
+        inputs=inputs, template=_template(dtype, d, False, True, max_threads), grid=(tg * rows, 1, 1),
+        threadgroup=(tg, 1, 1), output_shapes=[(rows, d)] * 4, output_dtypes=[dtype] * 4, expected=list(want),
+        input_dtypes={k: dtype for k in ("h", "a", "w_a", "w_next", "scale", "w_next2", "r_scale", "r_root")}
+        if bf16 else {}, label=f"moe rows={rows} D={d} TG={tg} QUADS={quads} {dtype}", **tol,
+    )  # fmt: skip
+
+
+def _moe_cases(rng: np.random.Generator):
+    return [_moe_case(rng, 2, 68, "float32"), _moe_case(rng, 1, 360, "float32", max_threads=32),
+            _moe_case(rng, 2, 96, "bfloat16"), _moe_case(rng, 1, 360, "bfloat16", max_threads=64)]
 
 
 def _case(rng: np.random.Generator, rows: int, d: int, dtype: str, scale: bool, nxt: bool, max_threads: int = 512):
@@ -238,8 +351,8 @@ def _cases(rng: np.random.Generator):
 
 
 def kernel_specs():
-    """KernelSpec of the residual-norm kernel (odd pair tails, one and several pairs per thread)."""
+    """KernelSpecs of the residual-norm kernels (idle threads, one and several quads per thread)."""
     from .registry import KernelSpec
 
-    k = _RESIDUAL_NORM
-    return [KernelSpec(k.name, k.input_names, k.output_names, *k.text["metal"], *k.text["cuda"], _cases)]
+    return [KernelSpec(k.name, k.input_names, k.output_names, *k.text["metal"], *k.text["cuda"], cases)
+            for k, cases in ((_RESIDUAL_NORM, _cases), (_RESIDUAL_NORM_MOE, _moe_cases))]

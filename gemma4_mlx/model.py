@@ -15,7 +15,7 @@ import mlx.nn as nn
 
 from custom_kernels import use_kernel
 from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention
-from custom_kernels.norm import residual_norm, residual_norm_reference
+from custom_kernels.norm import residual_norm, residual_norm_moe, residual_norm_reference
 from custom_kernels.rope import inverse_frequencies, norm_rope
 from custom_kernels.router import route
 
@@ -208,7 +208,14 @@ class Router(nn.Module):
         self.per_expert_scale = mx.ones((cfg.num_experts,))
 
     def __call__(self, h):
-        r = mx.fast.rms_norm(h, None, self.eps) * self.scale * self.root
+        return self.select(self.normed(h))
+
+    def normed(self, h):
+        """The router's input: weightless norm of h times scale and H^-1/2 [..., H]."""
+        return mx.fast.rms_norm(h, None, self.eps) * self.scale * self.root
+
+    def select(self, r):
+        """(weights [..., k] fp32, indices [..., k]) from the normed input r."""
         logits = self.proj(r)
         if use_kernel("router"):  # one launch for softmax, top-k and weights
             return route(logits, self.per_expert_scale, self.top_k)
@@ -267,19 +274,32 @@ class DecoderLayer(nn.Module):
         next_norm(h)): the next layer's input norm (or the final norm) is fused into this layer's
         last residual add."""
         a = self.self_attn(x, offset, q_pos, cache, shared_kv, mask_fn)
-        h, x = add_norm(h, a, self.post_attention_layernorm, self.pre_feedforward_layernorm)
-        m = self.mlp(x)
         if self.spec.moe:
-            weights, indices = self.router(h)
-            moe = self.experts(self.pre_feedforward_layernorm_2(h), weights, indices)
-            # post_ff_norm_1(m) + post_ff_norm_2(moe): the residual-norm op (one launch for the
+            h, x, x_experts, x_router = self._moe_inputs(h, a)
+            weights, indices = self.router.select(x_router)
+            moe = self.experts(x_experts, weights, indices)
+            # post_ff_norm_1(mlp) + post_ff_norm_2(moe): the residual-norm op (one launch for the
             # second norm and the add on GPUs)
-            m, _ = add_norm(self.post_feedforward_layernorm_1(m), moe, self.post_feedforward_layernorm_2)
+            m, _ = add_norm(self.post_feedforward_layernorm_1(self.mlp(x)), moe, self.post_feedforward_layernorm_2)
+        else:
+            h, x = add_norm(h, a, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+            m = self.mlp(x)
         if self.ple:
             h, _ = add_norm(h, m, self.post_feedforward_layernorm)
             m = self.per_layer_projection(gelu_tanh(self.per_layer_input_gate(h)) * per_layer_input)
             return add_norm(h, m, self.post_per_layer_input_norm, next_norm, self.layer_scalar)
         return add_norm(h, m, self.post_feedforward_layernorm, next_norm, self.layer_scalar)
+
+    def _moe_inputs(self, h, a):
+        """A MoE layer after attention: h + post_attention_norm(a) and the three norms of it the
+        layer reads -> (h, x for the dense MLP, x for the experts, the router's input). One launch
+        with op family "norm_moe" (custom_kernels.norm), else five or six."""
+        if use_kernel("norm_moe"):
+            r = self.router
+            return residual_norm_moe(h, a, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
+                                     self.pre_feedforward_layernorm_2.weight, r.scale, r.root, r.eps)  # fmt: skip
+        h, x = add_norm(h, a, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        return h, x, self.pre_feedforward_layernorm_2(h), self.router.normed(h)
 
 
 class TextModel(nn.Module):

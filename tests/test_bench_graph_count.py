@@ -79,3 +79,22 @@ def test_one_token_step_has_few_view_nodes(graph_count):
     assert four["Transpose"] == eight["Transpose"] == 0
     assert all(four[k] == eight[k] for k in ("Slice", "Squeeze", "ExpandDims"))
     assert 0 < eight["Reshape"] - four["Reshape"] <= 11 * 4
+
+
+def test_norm_moe_cuts_a_moe_layers_norms(graph_count, monkeypatch):
+    """With family "norm_moe" a MoE layer's residual add after attention and its three norms of h
+    (pre-FFN, pre-FFN 2, the router's weightless norm and scale) are one kernel: two MLX norms
+    and the router's scale multiply fewer per layer, one kernel more."""
+    import decode
+
+    import custom_kernels
+
+    cfg = decode._tiny(head_dim=256, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
+                       intermediate_size=128, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                       moe_intermediate_size=64)  # fmt: skip
+    base = graph_count.step_counts(cfg, 40)["body"]
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "norm_moe")
+    fused = graph_count.step_counts(cfg, 40)["body"]
+    layers = cfg.num_hidden_layers
+    assert base["RMSNorm"] - fused["RMSNorm"] == 2 * layers
+    assert sum(base.values()) - sum(fused.values()) >= 3 * layers

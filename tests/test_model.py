@@ -163,6 +163,34 @@ def test_batch_of_two_decodes_one_token_at_a_time(any_fixture):
         assert rel_err(np.concatenate([s_[b] for s_ in steps]), alone) <= 1e-5
 
 
+def test_moe_layer_with_the_norm_moe_path_equals_the_default(moe_fixture, monkeypatch):
+    """Family "norm_moe" restructures a MoE layer (one op for the residual add and the three norms
+    of h; the router takes its precomputed input). Here its op runs its MLX reference (CPU), so the
+    wiring is checked: the same logits, prefill and one-token steps."""
+    import gemma4_mlx.model as model_module
+
+    path = moe_fixture.gguf("q8_0")
+    model, _ = load_gguf(path, dtype=mx.float32, progress=False, weight_format="blocks")
+    ids = ids_for(moe_fixture, 14, seed=23)
+
+    def run():
+        cache = make_cache(model.cfg)
+        return np.concatenate([np.array(model(mx.array(c[None]), cache)) for c in (ids[:12], ids[12:13], ids[13:])], 1)
+
+    default = run()
+    calls = []
+    real = model_module.residual_norm_moe
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(model_module, "residual_norm_moe", counted)
+    monkeypatch.setattr(model_module, "use_kernel", lambda family: family == "norm_moe")
+    assert rel_err(run(), default) <= 1e-6
+    assert len(calls) == 3 * sum(layer.spec.moe for layer in model.layers)
+
+
 def test_fused_projections_share_one_copy_and_fall_back_when_replaced(any_fixture):
     """fuse_projections: each module's blocks is a view of the fused matrix holding the file's
     bytes; a module whose blocks are replaced afterwards turns the fused path off (same logits)."""

@@ -55,3 +55,19 @@ def test_rows_not_a_multiple_of_four_use_the_reference():
 def test_geometry_covers_the_row(d, max_threads, tg, quads):
     assert norm._geometry(d, max_threads) == (tg, quads)
     assert tg % 32 == 0 and tg <= max_threads and 4 * tg * quads >= d > 4 * tg * (quads - 1)
+
+
+def test_moe_reference_matches_oracle():
+    rng = np.random.default_rng(11)
+    d = 96
+    h, a = rng.standard_normal((2, d)).astype(np.float32) * 4, rng.standard_normal((2, d)).astype(np.float32)
+    w = [rng.uniform(0.2, 2, d).astype(np.float32) for _ in range(4)]
+    want = norm.residual_norm_moe_np(h, a, *w, d ** -0.5, 1e-6)
+    got = norm.residual_norm_moe(mx.array(h), mx.array(a), *(mx.array(t) for t in w), d ** -0.5, 1e-6)
+    assert len(got) == 4
+    for g, e in zip(got, want):
+        assert np.allclose(np.array(g), e, rtol=1e-5, atol=1e-5)
+    # x, x2 and the router input share one normalised out: x2 / x = w_next2 / w_next elementwise
+    assert np.allclose(np.array(got[2]) * w[1], np.array(got[1]) * w[2], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="expected"):
+        norm.residual_norm_moe(mx.array(h), mx.array(a), *(mx.array(t) for t in w[:3]), mx.ones((d + 1,)), 0.1, 1e-6)

@@ -62,3 +62,28 @@ def test_poisoned_outputs_overwritten():
     for u, v in zip(first, again):
         assert not np.isnan(np.array(u.astype(mx.float32))).any()
         assert np.array_equal(np.array(u.astype(mx.float32)), np.array(v.astype(mx.float32)))
+
+
+@pytest.mark.parametrize("d", [2816, 68])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_moe_kernel_matches_oracle_and_mlx(d, dtype):
+    """g4_residual_norm_moe (family "norm_moe"): out, x, x2 and the router input against the numpy
+    oracle and MLX's own ops, 1 and 3 rows."""
+    rng = np.random.default_rng(d + 5)
+    bf16 = dtype == mx.bfloat16
+    for rows in (1, 3):
+        h, a, w_a, w_n, _ = _inputs(rng, rows, d, bf16)
+        w_n2, r_scale = (_inputs(rng, 1, d, bf16)[2] for _ in range(2))
+        root = d ** -0.5
+        want = norm.residual_norm_moe_np(h, a, w_a, w_n, w_n2, r_scale, root, 1e-6, bf16)
+        args = [mx.array(t).astype(dtype) for t in (h, a, w_a, w_n, w_n2, r_scale)]
+        got = norm.residual_norm_moe(*args, root, 1e-6)
+        ref = norm.residual_norm_moe_reference(*args, root, 1e-6)
+        for g_, w_, r_ in zip(got, want, ref):
+            g = np.array(g_.astype(mx.float32))
+            if bf16:
+                assert np.allclose(g, w_, rtol=8e-3, atol=1e-2)
+                assert np.sum(g != np.array(r_.astype(mx.float32))) <= max(2, 0.01 * g.size)
+            else:
+                assert np.allclose(g, w_, rtol=2e-5, atol=1e-5)
+                assert np.allclose(g, np.array(r_), rtol=2e-5, atol=1e-5)
