@@ -653,11 +653,11 @@ def trace_breakdown(step, first: mx.array, steps: int = 8) -> dict:
 
 def breakdown_seconds(round_s: dict, main_s: float, traced: bool) -> float:
     """Time a row's stage breakdown should be given before --budget-s: a trace costs a few warm
-    rounds (each engine's fastest: its first round also compiles the kernels, minutes in a fresh
-    CUDA process); the timed variants compile and time four more steps, ~2x the main rounds."""
+    rounds (each engine's fastest after its first, which also compiles the kernels, minutes in a
+    fresh CUDA process); the timed variants compile and time four more steps, ~2x the main rounds."""
     if not traced:
         return 2 * main_s
-    return 30.0 + 3 * sum(min(v) for v in round_s.values() if v)
+    return 30.0 + 3 * sum(min(v[1:] or v) for v in round_s.values() if v)
 
 
 def round_spread_ms(entry: dict) -> float | None:

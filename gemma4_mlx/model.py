@@ -297,7 +297,8 @@ class DecoderLayer(nn.Module):
         if use_kernel("norm_moe"):
             r = self.router
             return residual_norm_moe(h, a, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
-                                     self.pre_feedforward_layernorm_2.weight, r.scale, r.root, r.eps)  # fmt: skip
+                                     self.pre_feedforward_layernorm_2.weight, r.scale, r.root,
+                                     self.post_attention_layernorm.eps)  # fmt: skip
         h, x = add_norm(h, a, self.post_attention_layernorm, self.pre_feedforward_layernorm)
         return h, x, self.pre_feedforward_layernorm_2(h), self.router.normed(h)
 

@@ -135,6 +135,9 @@ def test_breakdown_budget_ignores_the_compiling_first_round():
     assert bd.breakdown_seconds(round_s, 155.0, traced=True) == pytest.approx(30.0 + 3 * (0.67 + 0.92))
     assert bd.breakdown_seconds(round_s, 155.0, traced=False) == 310.0
     assert bd.breakdown_seconds({}, 10.0, traced=True) == 30.0
+    # the fastest warm round: a first round can look faster only if nothing compiled (one round: it counts)
+    assert bd.breakdown_seconds({"gemma4_mlx": [0.5, 0.9, 0.7]}, 5.0, traced=True) == pytest.approx(30.0 + 3 * 0.7)
+    assert bd.breakdown_seconds({"gemma4_mlx": [4.0]}, 5.0, traced=True) == pytest.approx(42.0)
 
 
 @pytest.mark.parametrize("n", [16, 100])

@@ -64,7 +64,7 @@ def test_poisoned_outputs_overwritten():
         assert np.array_equal(np.array(u.astype(mx.float32)), np.array(v.astype(mx.float32)))
 
 
-@pytest.mark.parametrize("d", [2816, 68])
+@pytest.mark.parametrize("d", [2816, 5376, 68])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_moe_kernel_matches_oracle_and_mlx(d, dtype):
     """g4_residual_norm_moe (family "norm_moe"): out, x, x2 and the router input against the numpy
