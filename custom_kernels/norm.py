@@ -198,22 +198,28 @@ def residual_norm(h, a, w_a, w_next, eps: float, scale=None):
     _check(h, a, w_a, w_next, scale)
     if use_reference() or not fusable(h, a, w_a, w_next, scale):
         return residual_norm_reference(h, a, w_a, w_next, eps, scale)
-    d = h.shape[-1]
-    rows = int(np.prod(h.shape[:-1], dtype=np.int64))
-    tg, _ = _geometry(d)
     nxt = w_next is not None
-    # the kernel indexes rows flat: no reshapes, and unread inputs are stand-ins, not new nodes
-    # (every graph node costs host time in the decode step)
-    out, x = _RESIDUAL_NORM.kernel()(
-        inputs=[h, a, w_a, w_next if nxt else w_a, scale if scale is not None else w_a,
-                mx.array([eps], dtype=mx.float32)],
-        template=template_args(_template(dtype_name(h.dtype), d, scale is not None, nxt)),
+    # unread inputs are stand-ins, not new nodes (every graph node costs host time in a decode step)
+    out, x = _launch(_RESIDUAL_NORM, [h, a, w_a, w_next if nxt else w_a, scale if scale is not None else w_a],
+                     eps, scale is not None, nxt, [h.shape, h.shape if nxt else (1,)])  # fmt: skip
+    return out, (x if nxt else None)
+
+
+def _launch(source: KernelSource, inputs: list, eps: float, scale: bool, nxt: bool, output_shapes: list) -> list:
+    """One threadgroup per row of inputs[0] [..., D] (indexed flat: no reshapes); eps goes in after
+    the first five inputs, as both kernels name them."""
+    h = inputs[0]
+    d = h.shape[-1]
+    tg, _ = _geometry(d)
+    rows = int(np.prod(h.shape[:-1], dtype=np.int64))
+    return source.kernel()(
+        inputs=inputs[:5] + [mx.array([eps], dtype=mx.float32)] + inputs[5:],
+        template=template_args(_template(dtype_name(h.dtype), d, scale, nxt)),
         grid=(tg * rows, 1, 1),
         threadgroup=(tg, 1, 1),
-        output_shapes=[h.shape, h.shape if nxt else (1,)],
-        output_dtypes=[h.dtype, h.dtype],
+        output_shapes=output_shapes,
+        output_dtypes=[h.dtype] * len(output_shapes),
     )
-    return out, (x if nxt else None)
 
 
 def residual_norm_moe_reference(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps: float):
@@ -231,19 +237,9 @@ def residual_norm_moe(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps: f
     _check(h, a, w_next2, r_scale, None)
     if use_reference() or not fusable(h, a, w_a, w_next) or not fusable(h, a, w_next2, r_scale):
         return residual_norm_moe_reference(h, a, w_a, w_next, w_next2, r_scale, r_root, eps)
-    d = h.shape[-1]
-    rows = int(np.prod(h.shape[:-1], dtype=np.int64))
-    tg, _ = _geometry(d)
     # r_root in the activation dtype: MLX rounds a Python scalar to the array's dtype
-    return _RESIDUAL_NORM_MOE.kernel()(
-        inputs=[h, a, w_a, w_next, w_a, mx.array([eps], dtype=mx.float32), w_next2, r_scale,
-                mx.array([r_root], dtype=h.dtype)],
-        template=template_args(_template(dtype_name(h.dtype), d, False, True)),
-        grid=(tg * rows, 1, 1),
-        threadgroup=(tg, 1, 1),
-        output_shapes=[h.shape] * 4,
-        output_dtypes=[h.dtype] * 4,
-    )
+    return _launch(_RESIDUAL_NORM_MOE, [h, a, w_a, w_next, w_a, w_next2, r_scale, mx.array([r_root], dtype=h.dtype)],
+                   eps, False, True, [h.shape] * 4)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,22 +279,32 @@ def residual_norm_moe_np(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps
     return out, x, rnd(w_next2 * n0), rnd(rnd(n0 * r_scale) * rnd(np.float32(r_root)))
 
 
-def _moe_case(rng: np.random.Generator, rows: int, d: int, dtype: str, max_threads: int = 512):
-    from .registry import KernelCase, bf16_to_f32, f32_to_bf16
+def _case_values(rng: np.random.Generator, rows: int, d: int, bf16: bool, weights: tuple, fixed: dict):
+    """A case's h, a [rows, d], weight vectors [d] named `weights` and the `fixed` arrays: f32
+    values (rounded to bf16 when bf16) and the kernel inputs (bf16 bit patterns when bf16), eps in."""
+    from .registry import bf16_to_f32, f32_to_bf16
 
-    bf16 = dtype == "bfloat16"
-    vals = {"h": rng.standard_normal((rows, d)) * 4, "a": rng.standard_normal((rows, d)) * 0.3 + 0.1,
-            "w_a": rng.uniform(0.2, 2.0, d), "w_next": rng.uniform(0.2, 2.0, d), "w_next2": rng.uniform(0.2, 2.0, d),
-            "r_scale": rng.uniform(0.2, 2.0, d), "r_root": np.array([d ** -0.5])}  # fmt: skip
-    vals = {k: v.astype(np.float32) for k, v in vals.items()}
+    vals = {"h": rng.standard_normal((rows, d)) * 4, "a": rng.standard_normal((rows, d)) * 0.3 + 0.1}
+    vals.update({w: rng.uniform(0.2, 2.0, d) for w in weights}, **fixed)
+    vals = {k: np.asarray(v).astype(np.float32) for k, v in vals.items()}
     if bf16:
         vals = {k: bf16_to_f32(f32_to_bf16(v)) for k, v in vals.items()}
-    eps = 1e-6
+    inputs = {k: (f32_to_bf16(v) if bf16 else v) for k, v in vals.items()}
+    inputs["eps"] = np.array([_CASE_EPS], dtype=np.float32)
+    return vals, inputs
+
+
+_CASE_EPS = 1e-6
+
+
+def _moe_case(rng: np.random.Generator, rows: int, d: int, dtype: str, max_threads: int = 512):
+    from .registry import KernelCase
+
+    bf16 = dtype == "bfloat16"
+    vals, inputs = _case_values(rng, rows, d, bf16, ("w_a", "w_next", "w_next2", "r_scale"), {"r_root": [d ** -0.5]})
     tg, quads = _geometry(d, max_threads)
     want = residual_norm_moe_np(vals["h"], vals["a"], vals["w_a"], vals["w_next"], vals["w_next2"], vals["r_scale"],
-                                vals["r_root"][0], eps, bf16)  # fmt: skip
-    inputs = {k: (f32_to_bf16(v) if bf16 else v) for k, v in vals.items()}
-    inputs["eps"] = np.array([eps], dtype=np.float32)
+                                vals["r_root"][0], _CASE_EPS, bf16)  # fmt: skip
     inputs["scale"] = inputs["w_a"]  # unread (SCALE off): a stand-in, as the dispatcher passes
     # bf16: exact (these rows' sums round the same in f32 and f64), so a dropped rounding step of
     # any output shows; f32: the sum order moves the last bits
@@ -317,20 +323,13 @@ def _moe_cases(rng: np.random.Generator):
 
 
 def _case(rng: np.random.Generator, rows: int, d: int, dtype: str, scale: bool, nxt: bool, max_threads: int = 512):
-    from .registry import KernelCase, bf16_to_f32, f32_to_bf16
+    from .registry import KernelCase
 
     bf16 = dtype == "bfloat16"
-    vals = {"h": rng.standard_normal((rows, d)) * 4, "a": rng.standard_normal((rows, d)) * 0.3 + 0.1,
-            "w_a": rng.uniform(0.2, 2.0, d), "w_next": rng.uniform(0.2, 2.0, d), "scale": np.array([0.75])}
-    vals = {k: v.astype(np.float32) for k, v in vals.items()}
-    if bf16:
-        vals = {k: bf16_to_f32(f32_to_bf16(v)) for k, v in vals.items()}
-    eps = 1e-6
+    vals, inputs = _case_values(rng, rows, d, bf16, ("w_a", "w_next"), {"scale": [0.75]})
     tg, quads = _geometry(d, max_threads)
-    out, x = residual_norm_np(vals["h"], vals["a"], vals["w_a"], vals["w_next"] if nxt else None, eps,
+    out, x = residual_norm_np(vals["h"], vals["a"], vals["w_a"], vals["w_next"] if nxt else None, _CASE_EPS,
                               vals["scale"][0] if scale else None, bf16)  # fmt: skip
-    inputs = {k: (f32_to_bf16(v) if bf16 else v) for k, v in vals.items()}
-    inputs["eps"] = np.array([eps], dtype=np.float32)
     # bf16: the sum order may move a value across a rounding boundary (one bf16 step, 2^-8)
     tol = dict(rtol=8e-3, atol=1e-2) if bf16 else dict(rtol=2e-5, atol=1e-5)
     return KernelCase(
