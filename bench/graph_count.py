@@ -8,7 +8,11 @@ whose outputs are one `Depends` primitive on all the kernel's inputs (counted as
 Nothing is evaluated; the graph of one uncompiled step (token -> final hidden state, and the head)
 is exported with mx.export_to_dot and counted by primitive name.
 
-    python bench/graph_count.py [--model 31B] [--layers 6] [--context 64] [--unfused] [--out counts.json]
+    python bench/graph_count.py [--model 31B] [--layers 6] [--context 64] [--unfused] [--compiled] [--out counts.json]
+
+--compiled counts instead the step gemma4_mlx.compiled_step.CompiledDecoder replays per token (after
+mx.compile's fusion of elementwise ops: what a decode step evaluates) and times its replays here
+(the stand-in kernels cost almost nothing, so on a CPU build that time is mostly host work).
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import os
 import re
 import sys
 import tempfile
+import time
 
 import mlx.core as mx
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode  # noqa: E402  (bench/decode.py)
@@ -98,16 +104,8 @@ def step_counts(cfg, context: int, fused: bool = True) -> dict:
     and count one decode step's primitives at `context` positions, as a CUDA build would run it."""
     from gemma4_mlx.cache import make_static
 
-    pretend_cuda()
-    _FAST_CALLS.clear()
-    fuse = decode.fuse_projections
-    try:
-        if not fused:
-            decode.fuse_projections = lambda model: 0
-        model = decode.build_ours(cfg)
-    finally:
-        decode.fuse_projections = fuse
-    caches = make_static(decode.ours_cache(cfg, context), -(-(context + 8) // 256) * 256)
+    model, cache = _model_and_caches(cfg, context, fused)
+    caches = make_static(cache, -(-(context + 8) // 256) * 256)
     mx.eval([c.state for c in caches if c is not None])  # the buffers' setup is not part of a step
     hidden = model.model(mx.array([[3]], mx.int32), caches)[:, -1, :]
     body = count([hidden], dict(_FAST_CALLS))
@@ -118,14 +116,62 @@ def step_counts(cfg, context: int, fused: bool = True) -> dict:
                 per_layer_by_kind={k: round(v / layers, 2) for k, v in body.items()})  # fmt: skip
 
 
+def _model_and_caches(cfg, context: int, fused: bool):
+    pretend_cuda()
+    _FAST_CALLS.clear()
+    fuse = decode.fuse_projections
+    try:
+        if not fused:
+            decode.fuse_projections = lambda model: 0
+        model = decode.build_ours(cfg)
+    finally:
+        decode.fuse_projections = fuse
+    return model, decode.ours_cache(cfg, context)
+
+
+def compiled_counts(cfg, context: int, replays: int = 30) -> dict:
+    """Primitives of the compiled decode step (CompiledDecoder's, traced once) and the median wall
+    time of `replays` replays of it here, each evaluated before the next (stand-in kernels)."""
+    from gemma4_mlx.compiled_step import CompiledDecoder
+
+    model, cache = _model_and_caches(cfg, context, True)
+    decoder = CompiledDecoder(model, cache, -(-(context + replays + 16) // 256) * 256)
+    token = mx.array([[3]], mx.int32)
+    outs = decoder._step(token, *decoder.state)  # the traced step, before anything is evaluated
+    counts = count(list(outs), dict(_FAST_CALLS))
+    times = []
+    state = list(outs[1:])
+    for _ in range(replays + 3):
+        t = time.perf_counter()
+        outs = decoder._step(token, *state)
+        mx.eval(outs)
+        times.append(time.perf_counter() - t)
+        state = list(outs[1:])
+    layers = cfg.num_hidden_layers
+    total = sum(counts.values())
+    return dict(layers=layers, context=context, compiled=counts, compiled_total=total, per_layer=total / layers,
+                head_in_step=not decoder.head_outside, replay_us=1e6 * float(np.median(times[3:])))  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="31B")
     ap.add_argument("--layers", type=int, default=6, help="the model's first N layers (last must be full)")
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--unfused", action="store_true", help="without quantized.fuse_projections")
+    ap.add_argument("--compiled", action="store_true", help="the compiled step and its replay time (see above)")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = ap.parse_args(argv)
+    if args.compiled:
+        doc = dict(model=args.model, **compiled_counts(model_config(args.model, args.layers), args.context))
+        print(f"{args.model}, {doc['layers']} layers: {doc['compiled_total']} primitives in the compiled step "
+              f"({doc['per_layer']:.1f} per layer), replay {doc['replay_us']:.0f} us here")
+        for name, n in doc["compiled"].items():
+            print(f"  {name[:60]:60s} {n:5d}  {n / doc['layers']:6.2f} per layer")
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(doc, fh, indent=1)
+        return 0
     doc = dict(model=args.model, fused=not args.unfused,
                **step_counts(model_config(args.model, args.layers), args.context, not args.unfused))
     layers, body = doc["layers"], doc["body"]

@@ -98,3 +98,16 @@ def test_norm_moe_cuts_a_moe_layers_norms(graph_count, monkeypatch):
     layers = cfg.num_hidden_layers
     assert base["RMSNorm"] - fused["RMSNorm"] == 2 * layers
     assert sum(base.values()) - sum(fused.values()) >= 3 * layers
+
+
+def test_compiled_step_counts_and_replays(graph_count):
+    """--compiled: the step CompiledDecoder replays, after mx.compile's fusion: fewer primitives
+    than the uncompiled graph of the same step, no transposes, and a replay time."""
+    import decode
+
+    cfg = decode._tiny(head_dim=256, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True)
+    doc = graph_count.compiled_counts(cfg, 40, replays=3)
+    plain = graph_count.step_counts(cfg, 40)
+    assert 0 < doc["compiled_total"] < sum(plain["with_head"].values())
+    assert doc["compiled"]["CustomKernel"] >= 7 * cfg.num_hidden_layers and "Transpose" not in doc["compiled"]
+    assert doc["replay_us"] > 0
