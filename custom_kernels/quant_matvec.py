@@ -319,7 +319,7 @@ def _check_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, 
 #   XPP  (gather) 1: x is [M*k, K], one row per (token, slot); 0: x is [M, K]
 
 _SETUP_DENSE = """
-  const int K = x_shape[1];
+  const int K = x_shape[x_ndim - 1];  // x [..., K]: callers pass it unreshaped
   const int N = wq_shape[0];
   const int row_bytes = wq_shape[1];
   const $device T* xrow = x;
@@ -329,7 +329,7 @@ _SETUP_DENSE = """
 """
 
 _SETUP_GATHER = """
-  const int K = x_shape[1];
+  const int K = x_shape[x_ndim - 1];  // x [..., K]: callers pass it unreshaped
   const int n_experts = wq_shape[0];
   const int N = wq_shape[1];
   const int row_bytes = wq_shape[2];
@@ -343,7 +343,7 @@ _SETUP_GATHER = """
 """
 
 _SETUP_GATE_UP = """
-  const int K = x_shape[1];
+  const int K = x_shape[x_ndim - 1];  // x [..., K]: callers pass it unreshaped
   const int n_experts = wq_shape[0];
   const int F = wq_shape[1] / 2;
   const int row_bytes = wq_shape[2];
@@ -867,8 +867,9 @@ def _run(kdef: _KernelDef | KernelSource, inputs: Sequence[mx.array], plan: Laun
 def launch_dense(x2: mx.array, blocks: mx.array, ggml_type: int, n: int,
                  config: KernelConfig | None = None, init_value: float | None = None,
                  out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
-    """Run the dense kernel on x2 [M <= 8, K] (no fallback; GPU builds only) -> [M, N] (or out_shape)."""
-    m, k = x2.shape
+    """Run the dense kernel on x2 [..., K] with M <= 8 rows in all (no fallback; GPU builds only)
+    -> [M, N] (or out_shape)."""
+    m, k = math.prod(x2.shape[:-1]), x2.shape[-1]
     plan = plan_launch(ggml_type, "dense", dtype_name(x2.dtype), m, n, k, config=config)
     kdef = _kernel_def(ggml_type, "dense", plan.in_place, plan.k_split)
     return _run(kdef, [x2, blocks], plan, x2.dtype, init_value, out_shape)
@@ -880,9 +881,8 @@ def launch_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, 
     m, slots = ids.shape
     k = x.shape[-1]
     per_pair = x.ndim == 3
-    x2 = x.reshape(m * slots, k) if per_pair else x
     plan = plan_launch(ggml_type, "gather", dtype_name(x.dtype), m, n, k, slots, per_pair, config)
-    return _run(_kernel_def(ggml_type, "gather"), [x2, ids, blocks], plan, x.dtype, init_value)
+    return _run(_kernel_def(ggml_type, "gather"), [x, ids, blocks], plan, x.dtype, init_value)
 
 
 def launch_gate_up(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, f: int,
@@ -941,7 +941,7 @@ __device__ __forceinline__ void g4_mma_bf16(float* d, uint32_t a0, uint32_t a1, 
 # per block; warp w takes blocks w, w + NW, ... of K and the block's warps are summed at the end).
 _MMA_BODY_CUDA = r"""
   // gemma4-mlx q4_0_matvec_mma (CUDA tensor cores, bf16 activations)
-  const int K = x_shape[1];
+  const int K = x_shape[x_ndim - 1];  // x [..., K]: callers pass it unreshaped
   const int N = wq_shape[0];
   const int row_bytes = wq_shape[1];
   const int nblocks = K / 32;
@@ -1127,7 +1127,7 @@ _STREAM_BODY_CUDA = r"""
   const int t = lane & 3;
   uint32_t* stage = g4_stage + warp * ST * SLOT;
   const uint32_t stage_addr = g4_shared_addr(stage);
-  const int K = x_shape[1];
+  const int K = x_shape[x_ndim - 1];  // x [..., K]: callers pass it unreshaped
   const int nblocks = K / 32;
   const int ngroups = (nblocks + GB - 1) / GB;
   // unit: this warp's tile group (down_sum: the block's; its warps take different slots)
@@ -1483,9 +1483,8 @@ def launch_gather_stream(x: mx.array, ids: mx.array, blocks: mx.array, n: int,
     m, slots = ids.shape
     k = x.shape[-1]
     per_pair = x.ndim == 3
-    x2 = x.reshape(m * slots, k) if per_pair else x
     plan = plan_stream("gather", m, n, k, slots, per_pair, config)
-    return _run(_stream_def("gather"), [x2, ids, blocks], plan, x.dtype, init_value)
+    return _run(_stream_def("gather"), [x, ids, blocks], plan, x.dtype, init_value)
 
 
 def launch_down_sum_stream(x: mx.array, ids: mx.array, weights: mx.array, blocks: mx.array, n: int,
@@ -1497,8 +1496,8 @@ def launch_down_sum_stream(x: mx.array, ids: mx.array, weights: mx.array, blocks
     m, slots = ids.shape
     k = x.shape[-1]
     plan = plan_stream("down_sum", m, n, k, slots, True, config)
-    return _run(_stream_def("down_sum"), [x.reshape(m * slots, k), ids, weights.astype(mx.float32), blocks], plan,
-                x.dtype, init_value)  # fmt: skip
+    return _run(_stream_def("down_sum"), [x, ids, weights.astype(mx.float32), blocks], plan, x.dtype,
+                init_value)  # fmt: skip
 
 
 def launch_gate_up_stream(x: mx.array, ids: mx.array, blocks: mx.array, f: int,
@@ -1530,8 +1529,8 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
         return launch_dense_stream(x2, blocks, n).reshape(*lead, n)
     if ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
         return launch_dense_mma(x2, blocks, n).reshape(*lead, n)
-    # out_shape: no reshape node (each graph node costs host time in a decode step)
-    return launch_dense(x2, blocks, ggml_type, n, out_shape=(*lead, n))
+    # x unreshaped and out_shape: no reshape node (each graph node costs host time in a decode step)
+    return launch_dense(x, blocks, ggml_type, n, out_shape=(*lead, n))
 
 
 def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: mx.array | None = None) -> mx.array:
@@ -1557,7 +1556,7 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
         return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
     experts = blocks[None] if one_expert is None else one_expert
     if use_kernel("gate_up_split"):  # CUDA_ONLY: Metal keeps the unsplit kernel unless opted in
-        return launch_gate_up(x.reshape(m, k), _ONE_EXPERT, experts, ggml_type, f, gate_up_split_config(),
+        return launch_gate_up(x, _ONE_EXPERT, experts, ggml_type, f, gate_up_split_config(),
                               out_shape=(*lead, f))  # fmt: skip
     return _gate_up(x.reshape(m, k), _ONE_EXPERT, experts, ggml_type, f).reshape(*lead, f)
 
