@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# compute-sanitizer memcheck over the kernel-level GPU tests, on a CUDA machine with MLX's CUDA wheel.
+#   bash bench/tools/memcheck.sh [seconds per test file, default 240] > memcheck.txt
+# First a planted out-of-bounds kernel, which memcheck must report; then each kernel test file in its
+# own process (no pytest-xdist, so every kernel runs in the process the tool instruments).
+CS=${COMPUTE_SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
+limit=${1:-240}
+here="$(cd "$(dirname "$0")" && pwd)"
+planted=$("$CS" --tool memcheck --print-limit 3 python3 "$here/planted_oob.py" 2>&1)
+echo "$planted" | grep -E "Invalid|ERROR SUMMARY" | head -2
+if ! echo "$planted" | grep -q "Invalid __global__ write"; then
+  echo "memcheck did not report the planted write: its results below would mean nothing"; exit 2
+fi
+status=0
+for f in tests/test_norm_gpu.py tests/test_kernels_gpu.py tests/test_attention_gpu.py tests/test_rope_gpu.py \
+         tests/test_router_gpu.py tests/test_sampling_kernels_gpu.py; do
+  MLX_ENABLE_TF32=0 timeout "$limit" "$CS" --tool memcheck --print-limit 20 --error-exitcode 9 \
+    python3 -m pytest -m gpu -p no:cacheprovider -p no:benchmark -q "$f" > /tmp/memcheck-one.txt 2>&1
+  rc=$?
+  echo "$f: rc $rc; $(grep "ERROR SUMMARY" /tmp/memcheck-one.txt | tail -1); $(tail -1 /tmp/memcheck-one.txt)"
+  grep -E "^========= (Invalid|Program hit)" /tmp/memcheck-one.txt | sort | uniq -c | head -10
+  [ "$rc" = 0 ] || status=1
+done
+exit $status
