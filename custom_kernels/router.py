@@ -128,15 +128,18 @@ def route(logits: mx.array, per_expert_scale: mx.array, top_k: int) -> tuple[mx.
     e, rows = _check(logits, per_expert_scale, top_k)
     if use_reference():
         return route_reference(logits, per_expert_scale, top_k)
+    # the kernel indexes logits and outputs flat by row, so they keep the caller's lead dims: no
+    # reshape nodes in a decode step
+    out_shape = (*logits.shape[:-1], top_k)
     weights, indices = _ROUTE.kernel()(
-        inputs=[logits.reshape(rows, e), per_expert_scale],
+        inputs=[logits, per_expert_scale],
         template=template_args(_template(dtype_name(logits.dtype), dtype_name(per_expert_scale.dtype), e, top_k)),
         grid=(32 * rows, 1, 1),
         threadgroup=(32, 1, 1),
-        output_shapes=[(rows, top_k), (rows, top_k)],
+        output_shapes=[out_shape, out_shape],
         output_dtypes=[mx.float32, mx.int32],
     )
-    return weights.reshape(*logits.shape[:-1], top_k), indices.reshape(*logits.shape[:-1], top_k)
+    return weights, indices
 
 
 def _template(logits_dtype: str, scale_dtype: str, e: int, k: int) -> list:

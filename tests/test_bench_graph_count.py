@@ -111,3 +111,17 @@ def test_compiled_step_counts_and_replays(graph_count):
     assert 0 < doc["compiled_total"] < sum(plain["with_head"].values())
     assert doc["compiled"]["CustomKernel"] >= 7 * cfg.num_hidden_layers and "Transpose" not in doc["compiled"]
     assert doc["replay_us"] > 0
+
+
+def test_moe_layer_view_nodes(graph_count):
+    """A MoE layer's routing hands the kernel its logits and gets weights / indices back in the
+    caller's shape (no reshape node): a MoE layer has at most the experts' four reshapes more than
+    the same layer without experts (seven before session 10)."""
+    import decode
+
+    shape = dict(head_dim=256, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
+                 intermediate_size=128)  # fmt: skip
+    moe = decode._tiny(**shape, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=64)
+    with_experts = graph_count.step_counts(moe, 40)["body"]
+    without = graph_count.step_counts(decode._tiny(**shape), 40)["body"]
+    assert 0 <= with_experts["Reshape"] - without["Reshape"] <= 4 * moe.num_hidden_layers

@@ -54,3 +54,31 @@ def test_router_same_experts_as_its_mlx_path():
         want = dict(zip(np.array(i2[row]).tolist(), np.array(w2[row]).tolist()))
         assert got.keys() == want.keys()
         assert all(abs(got[e] - want[e]) <= 1e-6 * abs(want[e]) + 1e-7 for e in want)
+
+
+def test_kernel_dispatch_keeps_lead_dims(monkeypatch):
+    """The GPU dispatch hands the kernel [..., E] logits as they are and gets [..., k] outputs (no
+    reshape nodes): run through the Metal emulator, it gives the oracle's choice for every row."""
+    import sys
+    from pathlib import Path
+
+    import custom_kernels
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from metal_emulator import metal_kernel
+
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "metal")
+    monkeypatch.setattr(mx.fast, "metal_kernel", metal_kernel)
+    custom_kernels.clear_kernel_cache()
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((2, 3, 45)) * 3).astype(np.float32)
+    scale = rng.uniform(0.5, 2.0, 45).astype(np.float32)
+    try:
+        w, i = rt.route(mx.array(x), mx.array(scale), 5)
+        mx.eval(w, i)
+    finally:
+        custom_kernels.clear_kernel_cache()
+    assert w.shape == i.shape == (2, 3, 5)
+    want_w, want_i = rt.route_f64(x.reshape(6, 45), scale, 5)
+    assert np.array_equal(np.array(i).reshape(6, 5), want_i)
+    assert np.allclose(np.array(w).reshape(6, 5), want_w, rtol=1e-5, atol=1e-7)
