@@ -303,3 +303,21 @@ def test_logits_equal_with_and_without_fast_blas(dense_fixture, tmp_path):
         fast, ref = outs["fast", qtype][0], outs["reference", qtype][0]
         assert rel_err(fast, ref) <= 1e-5
         assert (fast.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_split_even_values_and_nodes(tmp_path):
+    """_split_even gives mx.split's parts, for 42 per-layer inputs through 6 Split nodes and no
+    Slice node (MLX turns one split into more than 10 parts into a slice per part)."""
+    import re
+
+    from gemma4_mlx.model import _split_even
+
+    for n in (1, 10, 11, 42):
+        a = mx.arange(2 * n * 3).reshape(2, n * 3) * 2
+        parts = _split_even(a, n)
+        assert len(parts) == n
+        assert all(np.array_equal(np.array(p), np.array(a)[:, 3 * i : 3 * i + 3]) for i, p in enumerate(parts))
+    parts = _split_even(mx.arange(42 * 3) * 2, 42)  # not evaluated: its graph
+    mx.export_to_dot(str(tmp_path / "g.dot"), *parts)
+    names = re.findall(r'label\s*=\s*"([A-Za-z]+)', (tmp_path / "g.dot").read_text())
+    assert names.count("Slice") == 0 and names.count("Split") == 6  # the groups 10, 10, 10, 10, 2, then each group
