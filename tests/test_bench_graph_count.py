@@ -119,8 +119,8 @@ def test_moe_layer_view_nodes(graph_count):
     the same layer without experts (seven before session 10)."""
     import decode
 
-    shape = dict(head_dim=256, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
-                 intermediate_size=128)  # fmt: skip
+    shape = {"head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+             "intermediate_size": 128}  # fmt: skip
     moe = decode._tiny(**shape, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=64)
     with_experts = graph_count.step_counts(moe, 40)["body"]
     without = graph_count.step_counts(decode._tiny(**shape), 40)["body"]

@@ -59,12 +59,11 @@ def test_router_same_experts_as_its_mlx_path():
 def test_kernel_dispatch_keeps_lead_dims(monkeypatch):
     """The GPU dispatch hands the kernel [..., E] logits as they are and gets [..., k] outputs (no
     reshape nodes): run through the Metal emulator, it gives the oracle's choice for every row."""
-    import sys
     from pathlib import Path
 
     import custom_kernels
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))  # tests/metal_emulator
     from metal_emulator import metal_kernel
 
     monkeypatch.setattr(custom_kernels, "backend", lambda: "metal")
