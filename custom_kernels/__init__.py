@@ -32,7 +32,7 @@ KERNELS_ENV = "GEMMA4_MLX_KERNELS"
 UNPROVEN_ENV = "GEMMA4_MLX_UNPROVEN_KERNELS"
 """Comma-separated op families the model uses only when named here: families not on by default,
 because they have not passed ``pytest -m gpu`` on real hardware yet or showed no measured gain there
-(``norm_rope``, ``norm_moe``; on Metal also the CUDA_ONLY ones)."""
+(``norm_rope``, ``norm_moe``, ``router_proj``; on Metal also the CUDA_ONLY ones)."""
 
 PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split",
                     "norm"})  # fmt: skip
@@ -47,7 +47,7 @@ exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provena
 CUDA_ONLY = frozenset({"gate_up_split", "norm"})
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-FAMILIES = PROVEN | {"norm_rope", "norm_moe"}
+FAMILIES = PROVEN | {"norm_rope", "norm_moe", "router_proj"}
 """Every op family the model can use: the PROVEN ones and the opt-in ones (UNPROVEN_ENV)."""
 
 _kernel_cache: dict[tuple, Callable] = {}

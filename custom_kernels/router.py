@@ -18,6 +18,12 @@ lane 0 writes the weights. exp is the attention kernels' g4_attn_exp (same text)
 does not depend on a backend's math library.
 
 On by default on GPUs since it passed ``pytest -m gpu`` on the H200 (session 7).
+
+The router's projection before it, ``router_logits(x, w)`` (x [..., H] @ w [E, H].T -> [..., E] in
+x's dtype, f32 sums), has its own kernel (op family "router_proj", opt-in until it passes
+``pytest -m gpu`` and shows a gain): MLX runs that bf16 GEMV as four graph nodes (flatten,
+transpose, matmul, unflatten) and a cuBLAS-free gemv that took 13.3 us for 128 x 2816 on the H200
+(26B-A4B, session 10); here one SIMD group per expert row reads x and its row in 4-element vectors.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ import numpy as np
 from . import KernelSource, dtype_name, template_args, use_reference
 from .attention import _text as attention_text
 
-__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "kernel_specs", "route", "route_f64", "route_reference"]
+__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "kernel_specs", "route", "route_f64", "route_reference", "router_logits",
+           "router_logits_reference"]
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
@@ -94,6 +101,31 @@ _ROUTE_BODY = r"""
 # the attention module's header (prelude + g4_attn_exp): one exp for every kernel that needs it
 _ROUTE = KernelSource("g4_moe_route", ("logits", "scale"), ("weights", "indices"), attention_text(_ROUTE_BODY))
 
+# Template: T (x, w and out dtype), H (row length, a multiple of 4), NSG (SIMD groups per
+# threadgroup). Grid: x = 32 NSG x ceil(E / NSG) threads (SIMD group = expert row), y = tokens.
+_LOGITS_BODY = r"""
+  // gemma4-mlx router_logits: out[m, e] = sum_k x[m, k] w[e, k], f32 sums, rounded once to T
+  const int E = w_shape[0];
+  const int e = $tg_x * NSG + $simd;
+  if (e >= E) return;  // a whole SIMD group: e is the same for its lanes
+  const int m = $tg_y;
+  const $device T* xr = x + (size_t)m * H;
+  const $device T* wr = w + (size_t)e * H;
+  float acc = 0.0f;
+  $unroll for (int c = 4 * $lane; c < H; c += 128) {
+    float a[4];
+    float b[4];
+    g4_load4(xr + c, a);
+    g4_load4(wr + c, b);
+    acc += a[0] * b[0] + a[1] * b[1] + a[2] * b[2] + a[3] * b[3];
+  }
+  acc = g4_simd_sum(acc);
+  if ($lane == 0) out[(size_t)m * E + e] = static_cast<T>(acc);
+"""
+_LOGITS = KernelSource("g4_router_logits", ("x", "w"), ("out",), attention_text(_LOGITS_BODY))
+_LOGITS_NSG = 4
+_LOGITS_MAX_ROWS = 8  # tokens; more (prefill) take MLX's matmul
+
 
 def _check(logits: mx.array, per_expert_scale: mx.array, top_k: int) -> tuple[int, int]:
     e = logits.shape[-1]
@@ -140,6 +172,37 @@ def route(logits: mx.array, per_expert_scale: mx.array, top_k: int) -> tuple[mx.
         output_dtypes=[mx.float32, mx.int32],
     )
     return weights, indices
+
+
+def router_logits_reference(x: mx.array, w: mx.array) -> mx.array:
+    """x [..., H] @ w [E, H].T, what the router's nn.Linear computes."""
+    return x @ w.T
+
+
+def router_logits(x: mx.array, w: mx.array) -> mx.array:
+    """The router projection x [..., H] @ w [E, H].T -> [..., E]: one launch of g4_router_logits on
+    GPU builds (x and w of one float dtype, H a multiple of 4, at most 8 tokens), the reference
+    otherwise. Output in x's dtype from f32 sums (MLX's matmul rounds the same way)."""
+    if w.ndim != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"x [..., H] and w [E, H] expected, got {x.shape} and {w.shape}")
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    fusable = x.dtype == w.dtype and x.dtype in (mx.float32, mx.bfloat16) and x.shape[-1] % 4 == 0
+    if use_reference() or not fusable or not 1 <= rows <= _LOGITS_MAX_ROWS:
+        return router_logits_reference(x, w)
+    e = w.shape[0]
+    (out,) = _LOGITS.kernel()(
+        inputs=[x, w],
+        template=template_args(_logits_template(dtype_name(x.dtype), x.shape[-1])),
+        grid=(32 * _LOGITS_NSG * -(-e // _LOGITS_NSG), rows, 1),
+        threadgroup=(32 * _LOGITS_NSG, 1, 1),
+        output_shapes=[(*x.shape[:-1], e)],
+        output_dtypes=[x.dtype],
+    )
+    return out
+
+
+def _logits_template(dtype: str, h: int) -> list:
+    return [("T", dtype), ("H", h), ("NSG", _LOGITS_NSG)]
 
 
 def _template(logits_dtype: str, scale_dtype: str, e: int, k: int) -> list:
@@ -189,9 +252,38 @@ def _cases(rng: np.random.Generator):
             _case(rng, 2, 300, 32, "float32", False)]  # fmt: skip
 
 
+def _logits_case(rng: np.random.Generator, rows: int, e: int, h: int, dtype: str):
+    """x [rows, H] @ w [E, H].T against float64; E not a multiple of the SIMD groups, H not a
+    multiple of 128 (a lane's last vector past H is skipped)."""
+    from .registry import KernelCase, bf16_to_f32, f32_to_bf16
+
+    x = rng.standard_normal((rows, h)).astype(np.float32)
+    w = (rng.standard_normal((e, h)) * 0.05).astype(np.float32)
+    inputs, dtypes = {"x": x, "w": w}, {}
+    if dtype == "bfloat16":
+        inputs = {"x": f32_to_bf16(x), "w": f32_to_bf16(w)}
+        dtypes = {"x": "bfloat16", "w": "bfloat16"}
+        x, w = bf16_to_f32(inputs["x"]), bf16_to_f32(inputs["w"])
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = float((np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T).max())
+    return KernelCase(
+        inputs=inputs, template=_logits_template(dtype, h), grid=(32 * _LOGITS_NSG * -(-e // _LOGITS_NSG), rows, 1),
+        threadgroup=(32 * _LOGITS_NSG, 1, 1), output_shapes=[(rows, e)], output_dtypes=[dtype], expected=[want],
+        rtol=2.0**-8 if dtype == "bfloat16" else 0.0, atol=1e-6 * bound, input_dtypes=dtypes,
+        label=f"rows={rows} E={e} H={h} {dtype}",
+    )  # fmt: skip
+
+
+def _logits_cases(rng: np.random.Generator):
+    return [_logits_case(rng, 1, 13, 260, "float32"), _logits_case(rng, 3, 8, 128, "bfloat16"),
+            _logits_case(rng, 2, 6, 516, "bfloat16")]  # fmt: skip
+
+
 def kernel_specs():
-    """KernelSpec of the routing kernel (odd E, ties, k = E, k = 32)."""
+    """KernelSpecs of the routing kernel (odd E, ties, k = E, k = 32) and the router projection."""
     from .registry import KernelSpec
 
     return [KernelSpec(_ROUTE.name, _ROUTE.input_names, _ROUTE.output_names, *_ROUTE.text["metal"],
-                       *_ROUTE.text["cuda"], _cases)]  # fmt: skip
+                       *_ROUTE.text["cuda"], _cases),
+            KernelSpec(_LOGITS.name, _LOGITS.input_names, _LOGITS.output_names, *_LOGITS.text["metal"],
+                       *_LOGITS.text["cuda"], _logits_cases)]  # fmt: skip

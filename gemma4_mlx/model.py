@@ -17,7 +17,7 @@ from custom_kernels import use_kernel
 from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention
 from custom_kernels.norm import residual_norm, residual_norm_moe, residual_norm_reference
 from custom_kernels.rope import inverse_frequencies, norm_rope
-from custom_kernels.router import route
+from custom_kernels.router import route, router_logits
 
 from . import cpu_matvec
 from .cache import StaticKVCache
@@ -228,7 +228,11 @@ class Router(nn.Module):
 
     def select(self, r):
         """(weights [..., k] fp32, indices [..., k]) from the normed input r."""
-        logits = self.proj(r)
+        proj = self.proj
+        if use_kernel("router_proj") and type(proj) is nn.Linear and "bias" not in proj:
+            logits = router_logits(r, proj.weight)  # one launch, no view nodes (custom_kernels.router)
+        else:
+            logits = proj(r)
         if use_kernel("router"):  # one launch for softmax, top-k and weights
             return route(logits, self.per_expert_scale, self.top_k)
         probs = mx.softmax(logits.astype(mx.float32), axis=-1)

@@ -125,3 +125,22 @@ def test_moe_layer_view_nodes(graph_count):
     with_experts = graph_count.step_counts(moe, 40)["body"]
     without = graph_count.step_counts(decode._tiny(**shape), 40)["body"]
     assert 0 <= with_experts["Reshape"] - without["Reshape"] <= 4 * moe.num_hidden_layers
+
+
+def test_router_proj_replaces_the_matmul_nodes(graph_count, monkeypatch):
+    """With family "router_proj" a MoE layer's router projection is one kernel instead of MLX's
+    flatten / transpose / matmul / unflatten."""
+    import decode
+
+    import custom_kernels
+
+    cfg = decode._tiny(head_dim=256, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
+                       intermediate_size=128, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                       moe_intermediate_size=64)  # fmt: skip
+    base = graph_count.step_counts(cfg, 40)["body"]
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "router_proj")
+    fused = graph_count.step_counts(cfg, 40)["body"]
+    layers = cfg.num_hidden_layers
+    assert base["Matmul"] == layers and "Matmul" not in fused and "Transpose" not in fused
+    assert fused["CustomKernel"] - base["CustomKernel"] == layers
+    assert sum(base.values()) - sum(fused.values()) == 3 * layers

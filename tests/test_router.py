@@ -81,3 +81,66 @@ def test_kernel_dispatch_keeps_lead_dims(monkeypatch):
     want_w, want_i = rt.route_f64(x.reshape(6, 45), scale, 5)
     assert np.array_equal(np.array(i).reshape(6, 5), want_i)
     assert np.allclose(np.array(w).reshape(6, 5), want_w, rtol=1e-5, atol=1e-7)
+
+
+def test_router_logits_reference_and_errors():
+    x = mx.random.normal((2, 3, 64)).astype(mx.bfloat16)
+    w = (mx.random.normal((10, 64)) * 0.1).astype(mx.bfloat16)
+    assert mx.array_equal(rt.router_logits(x, w), x @ w.T)  # the reference on CPU builds
+    with pytest.raises(ValueError, match="w \\[E, H\\]"):
+        rt.router_logits(x, w[:, :32])
+
+
+def test_router_logits_dispatch_and_router_wiring(monkeypatch):
+    """The projection kernel through its GPU dispatch on the Metal emulator: [..., E] logits in x's
+    dtype within bf16 rounding of float64; with family "router_proj" the model's Router routes
+    through it to the experts of its MLX path."""
+    from pathlib import Path
+
+    import custom_kernels
+    from gemma4_mlx import model as model_module
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))  # tests/metal_emulator
+    from metal_emulator import metal_kernel
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 2, 132)).astype(np.float32)
+    w = (rng.standard_normal((9, 132)) * 0.1).astype(np.float32)
+    xb, wb = mx.array(x).astype(mx.bfloat16), mx.array(w).astype(mx.bfloat16)
+    want = np.array(xb.astype(mx.float32)).astype(np.float64) @ np.array(wb.astype(mx.float32)).astype(np.float64).T
+    h = mx.array(rng.standard_normal((1, 3, 132)).astype(np.float32))  # f32 router: logits stay a float dtype
+
+    from gemma4_mlx.model import Router
+
+    class Cfg:
+        top_k_experts, rms_norm_eps, hidden_size, num_experts = 3, 1e-6, 132, 9
+
+    router = Router(Cfg())
+    router.proj.weight = mx.array(w)
+    w_mlx, i_mlx = router(h)
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "metal")
+    def as_mlx(*args, **kwargs):  # the emulator returns numpy arrays (bf16 as uint16 bits)
+        kernel = metal_kernel(*args, **kwargs)
+        return lambda **call: [mx.array(o) for o in kernel(**call)]
+
+    monkeypatch.setattr(mx.fast, "metal_kernel", as_mlx)
+    custom_kernels.clear_kernel_cache()
+    calls = []
+    monkeypatch.setattr(model_module, "router_logits", lambda *a: calls.append(1) or rt.router_logits(*a))
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "router_proj")
+    try:
+        got = rt.router_logits(xb, wb)
+        mx.eval(got)
+        w_k, i_k = router(h)
+        mx.eval(w_k, i_k)
+    finally:
+        custom_kernels.clear_kernel_cache()
+    got = got.view(mx.bfloat16)
+    assert got.shape == (1, 2, 9)
+    assert np.allclose(np.array(got.astype(mx.float32)), want, rtol=2**-8, atol=1e-3)
+    assert calls == [1]
+    for t in range(3):  # same experts (the MLX path's order is argpartition's), same weights
+        got_e = dict(zip(np.array(i_k[0, t]).tolist(), np.array(w_k[0, t]).tolist()))
+        want_e = dict(zip(np.array(i_mlx[0, t]).tolist(), np.array(w_mlx[0, t]).tolist()))
+        assert got_e.keys() == want_e.keys()
+        assert all(abs(got_e[e] - want_e[e]) <= 1e-5 * abs(want_e[e]) for e in want_e)
