@@ -73,6 +73,8 @@ def _split_even(a: mx.array, n: int, most: int = 10) -> list[mx.array]:
     """a [..., n * D] -> n arrays [..., D] through Split nodes of at most `most` outputs each: MLX
     makes a split into more than 10 parts n Slice nodes (E4B's 42 per-layer inputs: 42 nodes of a
     decode step, 6 this way)."""
+    if a.shape[-1] % n:
+        raise ValueError(f"cannot split {a.shape[-1]} elements into {n} equal parts")
     if n <= most:
         return mx.split(a, n, axis=-1)
     d = a.shape[-1] // n

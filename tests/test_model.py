@@ -321,3 +321,5 @@ def test_split_even_values_and_nodes(tmp_path):
     mx.export_to_dot(str(tmp_path / "g.dot"), *parts)
     names = re.findall(r'label\s*=\s*"([A-Za-z]+)', (tmp_path / "g.dot").read_text())
     assert names.count("Slice") == 0 and names.count("Split") == 6  # the groups 10, 10, 10, 10, 2, then each group
+    with pytest.raises(ValueError, match="equal parts"):
+        _split_even(mx.zeros((2, 43)), 42)

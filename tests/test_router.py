@@ -119,9 +119,12 @@ def test_router_logits_dispatch_and_router_wiring(monkeypatch):
     router.proj.weight = mx.array(w)
     w_mlx, i_mlx = router(h)
     monkeypatch.setattr(custom_kernels, "backend", lambda: "metal")
+    launched = []
+
     def as_mlx(*args, **kwargs):  # the emulator returns numpy arrays (bf16 as uint16 bits)
         kernel = metal_kernel(*args, **kwargs)
-        return lambda **call: [mx.array(o) for o in kernel(**call)]
+        name = kwargs.get("name", args[0] if args else "")
+        return lambda **call: launched.append(name) or [mx.array(o) for o in kernel(**call)]
 
     monkeypatch.setattr(mx.fast, "metal_kernel", as_mlx)
     custom_kernels.clear_kernel_cache()
@@ -138,7 +141,7 @@ def test_router_logits_dispatch_and_router_wiring(monkeypatch):
     got = got.view(mx.bfloat16)
     assert got.shape == (1, 2, 9)
     assert np.allclose(np.array(got.astype(mx.float32)), want, rtol=2**-8, atol=1e-3)
-    assert calls == [1]
+    assert calls == [1] and sum(n.startswith("g4_router_logits") for n in launched) == 2  # both calls ran it
     for t in range(3):  # same experts (the MLX path's order is argpartition's), same weights
         got_e = dict(zip(np.array(i_k[0, t]).tolist(), np.array(w_k[0, t]).tolist()))
         want_e = dict(zip(np.array(i_mlx[0, t]).tolist(), np.array(w_mlx[0, t]).tolist()))

@@ -52,7 +52,7 @@ def test_router_module_with_the_family_on(monkeypatch):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_router_logits_kernel(dtype):
     """g4_router_logits (family "router_proj") at the 26B-A4B shape (128 x 2816) and an odd one
-    (E = 45, H = 260), 1 / 3 / 8 tokens with lead dims, against float64 (poisoned outputs)."""
+    (E = 45, H = 260), 1 / 3 / 8 tokens with lead dims, against float64."""
     rng = np.random.default_rng(9)
     for e, h in ((128, 2816), (45, 260)):
         w = mx.array((rng.standard_normal((e, h)) * 0.05).astype(np.float32)).astype(dtype)
