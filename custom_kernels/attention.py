@@ -643,14 +643,17 @@ def _slots_array(n_slots, slots: int) -> mx.array:
 
 def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
                             q_positions: mx.array, window: int | None = None, n_slots=None,
-                            config: AttentionConfig | None = None,
-                            init_value: float | None = None) -> mx.array:  # fmt: skip
-    """Run the two kernels (GPU builds only, no fallback) -> [B, n_q, M, D] in q.dtype.
+                            config: AttentionConfig | None = None, init_value: float | None = None,
+                            out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+    """Run the two kernels (GPU builds only, no fallback) -> [B, n_q, M, D] in q.dtype, or the same
+    elements in ``out_shape`` (the merge kernel writes its rows flat: no reshape node).
 
     ``init_value`` fills every output (partials included) before the kernels run (tests poison
     them with NaN)."""
     B, n_q, M, D, n_kv, S = _check(q, k_cache, v_cache, positions, q_positions, window)
     plan = plan_decode(B, n_q, n_kv, M, S, D, dtype_name(q.dtype), dtype_name(k_cache.dtype), window, config)
+    if out_shape is not None and math.prod(out_shape) != math.prod(plan.out_shape):
+        raise ValueError(f"output shape {out_shape} does not hold the {plan.out_shape} result")
     bound = _slots_array(n_slots, S)
     partial, merge = _PARTIAL.kernel(), _MERGE.kernel()
     ml, pacc = partial(
@@ -667,7 +670,7 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
         template=template_args(plan.merge_template),
         grid=plan.merge_grid,
         threadgroup=plan.merge_threadgroup,
-        output_shapes=[plan.out_shape],
+        output_shapes=[out_shape or plan.out_shape],
         output_dtypes=[q.dtype],
         init_value=init_value,
     )
@@ -675,8 +678,11 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
 
 
 def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
-                     q_positions: mx.array, window: int | None = None, *, n_slots=None) -> mx.array:  # fmt: skip
-    """Attention of q [B, n_q, M, D] over whole cache buffers [B, n_kv, S, D] -> [B, n_q, M, D].
+                     q_positions: mx.array, window: int | None = None, *, n_slots=None,
+                     merged: bool = False) -> mx.array:  # fmt: skip
+    """Attention of q [B, n_q, M, D] over whole cache buffers [B, n_kv, S, D] -> [B, n_q, M, D], or
+    with ``merged`` [B, M, n_q * D] (each row's heads side by side, what the output projection
+    reads; at M = 1 the kernel writes that shape directly, without a reshape node).
 
     positions int32 [S] (slot -> absolute position, -1 empty), q_positions int32 [M], window: the
     sliding window (keys per query incl. itself) or None. n_slots (int or int32 array [1],
@@ -684,10 +690,15 @@ def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, position
     default all S. Custom kernels on Metal/CUDA for head dim 128/256/512 and M <= 8, else
     ``decode_attention_reference``. Pass the cache buffers themselves: a non-contiguous slice is
     copied before a kernel reads it."""
-    _, _, M, D, _, _ = _check(q, k_cache, v_cache, positions, q_positions, window)
+    B, n_q, M, D, _, _ = _check(q, k_cache, v_cache, positions, q_positions, window)
     if use_reference() or D not in KERNEL_HEAD_DIMS or not 1 <= M <= MAX_QUERY_ROWS:
-        return decode_attention_reference(q, k_cache, v_cache, positions, q_positions, window)
-    return launch_decode_attention(q, k_cache, v_cache, positions, q_positions, window, n_slots)
+        out = decode_attention_reference(q, k_cache, v_cache, positions, q_positions, window)
+    elif merged and M == 1:
+        return launch_decode_attention(q, k_cache, v_cache, positions, q_positions, window, n_slots,
+                                       out_shape=(B, 1, n_q * D))  # fmt: skip
+    else:
+        out = launch_decode_attention(q, k_cache, v_cache, positions, q_positions, window, n_slots)
+    return out.transpose(0, 2, 1, 3).reshape(B, M, n_q * D) if merged else out
 
 
 # --------------------------------------------------------------------------------------------

@@ -186,12 +186,14 @@ class Attention(nn.Module):
                 keys, values, positions = k, v, q_pos
             shared_kv[s.type] = (keys, values, positions, n_slots)
         if T <= MAX_QUERY_ROWS and use_kernel("attention"):
-            # decode / verification on a GPU: split-GQA kernel straight over the cache buffers
-            out = decode_attention(q, keys, values, positions, q_pos,
-                                   s.sliding_window, n_slots=n_slots)
+            # decode / verification on a GPU: split-GQA kernel straight over the cache buffers, its
+            # output already [B, T, heads * d]
+            out = decode_attention(q, keys, values, positions, q_pos, s.sliding_window, n_slots=n_slots,
+                                   merged=True)  # fmt: skip
         else:
-            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask_fn(s, positions))
-        return self.o_proj(_merge_heads(out))
+            out = _merge_heads(mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0,
+                                                                    mask=mask_fn(s, positions)))  # fmt: skip
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):

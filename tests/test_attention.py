@@ -354,3 +354,37 @@ def test_geometry_override(monkeypatch):
         monkeypatch.setenv(at.GEOMETRY_ENV, bad)
         with pytest.raises(ValueError, match=match):
             at.default_config(256, "cuda")
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_merged_output(monkeypatch, M):
+    """merged=True gives [B, M, n_q * D], each row's heads side by side: the reference path and the
+    kernels' dispatch (Metal text on the emulator; at M = 1 the merge kernel writes that shape
+    itself) agree with the plain output's transpose."""
+    from pathlib import Path
+
+    rng = np.random.default_rng(12 + M)
+    pos, qpos, window = _layout(rng, "ring", M)
+    args, want, bound = _problem(rng, 2, 4, 2, M, 128, pos, qpos, window)
+    plain = at.decode_attention(*args, window)
+    merged = at.decode_attention(*args, window, merged=True)
+    assert merged.shape == (2, M, 4 * 128)
+    assert mx.array_equal(merged, plain.transpose(0, 2, 1, 3).reshape(2, M, -1)).item()
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))  # tests/metal_emulator
+    from metal_emulator import metal_kernel
+
+    def as_mlx(*a, **kw):  # the emulator returns numpy arrays
+        kernel = metal_kernel(*a, **kw)
+        return lambda **call: [mx.array(o) for o in kernel(**call)]
+
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "metal")
+    monkeypatch.setattr(mx.fast, "metal_kernel", as_mlx)
+    custom_kernels.clear_kernel_cache()
+    try:
+        got = at.decode_attention(*args, window, merged=True)
+        mx.eval(got)
+    finally:
+        custom_kernels.clear_kernel_cache()
+    assert got.shape == (2, M, 4 * 128)
+    got_heads = got.reshape(2, M, 4, 128).transpose(0, 2, 1, 3)
+    assert _rel_error(got_heads, want, bound) <= F32_LIMIT

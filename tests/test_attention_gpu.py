@@ -179,3 +179,18 @@ def test_dispatch_uses_kernel_and_reference_switch(monkeypatch):
     # MLX's CUDA f32 matmul runs on TF32 tensor cores: the reference path is only ~1e-3 there
     err = np.abs(np.array(reference.astype(mx.float32)).astype(np.float64) - want) / bound
     assert err.max() <= (2**-7 if custom_kernels.backend() == "cuda" else BF16_LIMIT)
+
+
+@pytest.mark.parametrize("M", [1, 4])
+def test_merged_output_shape(M):
+    """merged=True (what the model's attention asks for: [B, M, n_q * D]; at M = 1 the merge kernel
+    writes that shape itself) holds the oracle's values, and bit-equals the plain output transposed."""
+    rng = np.random.default_rng(40 + M)
+    last = 1500  # a full ring
+    args, want, bound = _problem(rng, 2, 32, 16, M, 256, _ring(1024, last), np.arange(last - M + 1, last + 1), 1024,
+                                 mx.bfloat16)  # fmt: skip
+    merged = at.decode_attention(*args, 1024, merged=True)
+    plain = at.decode_attention(*args, 1024)
+    assert merged.shape == (2, M, 32 * 256)
+    _check(merged.reshape(2, M, 32, 256).transpose(0, 2, 1, 3), want, bound, mx.bfloat16, f"merged M={M}")
+    assert mx.array_equal(merged, plain.transpose(0, 2, 1, 3).reshape(2, M, -1)).item()
