@@ -81,21 +81,29 @@ def test_one_token_step_has_few_view_nodes(graph_count):
     assert 0 < eight["Reshape"] - four["Reshape"] <= 11 * 4
 
 
-def test_norm_moe_cuts_a_moe_layers_norms(graph_count, monkeypatch):
-    """With family "norm_moe" a MoE layer's residual add after attention and its three norms of h
-    (pre-FFN, pre-FFN 2, the router's weightless norm and scale) are one kernel: two MLX norms
-    and the router's scale multiply fewer per layer, one kernel more."""
+# a tiny model whose attention takes the kernel path (head dims 256 / 512), with or without experts
+_KERNEL_SHAPES = {"head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+                  "intermediate_size": 128}  # fmt: skip
+_EXPERTS = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 64}
+
+
+def _moe_counts_with(graph_count, monkeypatch, family: str):
+    """Body primitives of the tiny MoE model's step without and with opt-in `family`, and its layers."""
     import decode
 
     import custom_kernels
 
-    cfg = decode._tiny(head_dim=256, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
-                       intermediate_size=128, enable_moe_block=True, num_experts=8, top_k_experts=2,
-                       moe_intermediate_size=64)  # fmt: skip
+    cfg = decode._tiny(**_KERNEL_SHAPES, **_EXPERTS)
     base = graph_count.step_counts(cfg, 40)["body"]
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "norm_moe")
-    fused = graph_count.step_counts(cfg, 40)["body"]
-    layers = cfg.num_hidden_layers
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, family)
+    return base, graph_count.step_counts(cfg, 40)["body"], cfg.num_hidden_layers
+
+
+def test_norm_moe_cuts_a_moe_layers_norms(graph_count, monkeypatch):
+    """With family "norm_moe" a MoE layer's residual add after attention and its three norms of h
+    (pre-FFN, pre-FFN 2, the router's weightless norm and scale) are one kernel: two MLX norms
+    and the router's scale multiply fewer per layer, one kernel more."""
+    base, fused, layers = _moe_counts_with(graph_count, monkeypatch, "norm_moe")
     assert base["RMSNorm"] - fused["RMSNorm"] == 2 * layers
     assert sum(base.values()) - sum(fused.values()) >= 3 * layers
 
@@ -119,28 +127,16 @@ def test_moe_layer_view_nodes(graph_count):
     the same layer without experts (seven before session 10)."""
     import decode
 
-    shape = {"head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
-             "intermediate_size": 128}  # fmt: skip
-    moe = decode._tiny(**shape, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=64)
+    moe = decode._tiny(**_KERNEL_SHAPES, **_EXPERTS)
     with_experts = graph_count.step_counts(moe, 40)["body"]
-    without = graph_count.step_counts(decode._tiny(**shape), 40)["body"]
+    without = graph_count.step_counts(decode._tiny(**_KERNEL_SHAPES), 40)["body"]
     assert 0 <= with_experts["Reshape"] - without["Reshape"] <= 4 * moe.num_hidden_layers
 
 
 def test_router_proj_replaces_the_matmul_nodes(graph_count, monkeypatch):
     """With family "router_proj" a MoE layer's router projection is one kernel instead of MLX's
     flatten / transpose / matmul / unflatten."""
-    import decode
-
-    import custom_kernels
-
-    cfg = decode._tiny(head_dim=256, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
-                       intermediate_size=128, enable_moe_block=True, num_experts=8, top_k_experts=2,
-                       moe_intermediate_size=64)  # fmt: skip
-    base = graph_count.step_counts(cfg, 40)["body"]
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "router_proj")
-    fused = graph_count.step_counts(cfg, 40)["body"]
-    layers = cfg.num_hidden_layers
+    base, fused, layers = _moe_counts_with(graph_count, monkeypatch, "router_proj")
     assert base["Matmul"] == layers and "Matmul" not in fused and "Transpose" not in fused
     assert fused["CustomKernel"] - base["CustomKernel"] == layers
     assert sum(base.values()) - sum(fused.values()) == 3 * layers
