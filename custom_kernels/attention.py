@@ -691,13 +691,11 @@ def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, position
     ``decode_attention_reference``. Pass the cache buffers themselves: a non-contiguous slice is
     copied before a kernel reads it."""
     B, n_q, M, D, _, _ = _check(q, k_cache, v_cache, positions, q_positions, window)
-    if use_reference() or D not in KERNEL_HEAD_DIMS or not 1 <= M <= MAX_QUERY_ROWS:
-        out = decode_attention_reference(q, k_cache, v_cache, positions, q_positions, window)
-    elif merged and M == 1:
-        return launch_decode_attention(q, k_cache, v_cache, positions, q_positions, window, n_slots,
-                                       out_shape=(B, 1, n_q * D))  # fmt: skip
-    else:
-        out = launch_decode_attention(q, k_cache, v_cache, positions, q_positions, window, n_slots)
+    args = (q, k_cache, v_cache, positions, q_positions, window)
+    kernels = not use_reference() and D in KERNEL_HEAD_DIMS and 1 <= M <= MAX_QUERY_ROWS
+    if kernels and merged and M == 1:  # [B, n_q, 1, D] and [B, 1, n_q * D] are the same flat rows
+        return launch_decode_attention(*args, n_slots, out_shape=(B, 1, n_q * D))
+    out = launch_decode_attention(*args, n_slots) if kernels else decode_attention_reference(*args)
     return out.transpose(0, 2, 1, 3).reshape(B, M, n_q * D) if merged else out
 
 

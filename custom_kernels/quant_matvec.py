@@ -1051,11 +1051,13 @@ def plan_mma(m: int, n: int, config: MmaConfig | None = None) -> LaunchPlan:
 
 
 def launch_dense_mma(x2: mx.array, blocks: mx.array, n: int, config: MmaConfig | None = None,
-                     init_value: float | None = None) -> mx.array:  # fmt: skip
-    """Run the CUDA tensor-core Q4_0 kernel on bf16 x2 [M <= 8, K] (CUDA builds only) -> [M, N]."""
+                     init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+    """Run the CUDA tensor-core Q4_0 kernel on bf16 x2 [..., K] with M <= 8 rows in all (CUDA builds
+    only) -> [M, N] (or out_shape)."""
     if x2.dtype != mx.bfloat16:
         raise TypeError("the tensor-core Q4_0 kernel takes bfloat16 activations")
-    return _run(_MMA_DEF, [x2, blocks], plan_mma(x2.shape[0], n, config), x2.dtype, init_value)
+    return _run(_MMA_DEF, [x2, blocks], plan_mma(math.prod(x2.shape[:-1]), n, config), x2.dtype, init_value,
+                out_shape)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -1468,12 +1470,13 @@ def _need_bf16(x: mx.array) -> None:
 
 
 def launch_dense_stream(x2: mx.array, blocks: mx.array, n: int, config: StreamConfig | None = None,
-                        init_value: float | None = None) -> mx.array:  # fmt: skip
-    """CUDA stream kernel, Q4_0: bf16 x2 [M <= 8, K] @ blocks [N, ...].T -> [M, N] (CUDA builds only)."""
+                        init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+    """CUDA stream kernel, Q4_0: bf16 x2 [..., K] with M <= 8 rows in all @ blocks [N, ...].T -> [M, N]
+    (or out_shape; CUDA builds only)."""
     _need_bf16(x2)
-    m, k = x2.shape
+    m, k = math.prod(x2.shape[:-1]), x2.shape[-1]
     return _run(_stream_def("dense"), [x2, blocks], plan_stream("dense", m, n, k, config=config), x2.dtype,
-                init_value)  # fmt: skip
+                init_value, out_shape)  # fmt: skip
 
 
 def launch_gather_stream(x: mx.array, ids: mx.array, blocks: mx.array, n: int,
@@ -1524,13 +1527,14 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     m = math.prod(lead)
     if use_reference() or not 1 <= m <= MAX_ROWS:
         return matvec_reference(x, blocks, ggml_type, n)
-    x2 = x.reshape(m, x.shape[-1])
+    # every dense kernel reads K from x's last dimension and writes its rows flat: x goes in
+    # unreshaped and the output comes out in the caller's shape (no reshape nodes)
+    out_shape = (*lead, n)
     if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1], m):
-        return launch_dense_stream(x2, blocks, n).reshape(*lead, n)
+        return launch_dense_stream(x, blocks, n, out_shape=out_shape)
     if ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
-        return launch_dense_mma(x2, blocks, n).reshape(*lead, n)
-    # x unreshaped and out_shape: no reshape node (each graph node costs host time in a decode step)
-    return launch_dense(x, blocks, ggml_type, n, out_shape=(*lead, n))
+        return launch_dense_mma(x, blocks, n, out_shape=out_shape)
+    return launch_dense(x, blocks, ggml_type, n, out_shape=out_shape)
 
 
 def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: mx.array | None = None) -> mx.array:
