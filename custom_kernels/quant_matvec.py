@@ -14,19 +14,19 @@ A PyTorch-layout weight [N, K] is ``blocks`` uint8 [N, K // 32 * 18] (Q4_0), [N,
 Ops (activations bf16, f32 or f16; output dtype = activation dtype; f32 accumulation):
 
 - ``q4_0_matvec(x, blocks, n)``, ``q8_0_matvec``, ``q6_k_matvec``: x [..., K] -> [..., N].
-- ``q4_0_matvec_gather(x, ids, blocks, n)``, ``q8_0_matvec_gather``: experts; x [M, K] (every
-  slot reads its token's row) or [M, k, K] (one row per slot, e.g. the down projection),
-  ids int32 [M, k], blocks [E, N, ...] -> [M, k, N].
-- ``q4_0_gate_up_gather(x, ids, blocks, f)``, ``q8_0_gate_up_gather``: x [M, K], blocks
+- ``q4_0_matvec_gather(x, ids, blocks, n)``, ``q8_0_matvec_gather``: experts; ids int32 [..., k]
+  (the lead dims are the M tokens, any shape), x [..., K] (every slot reads its token's row) or
+  [..., k, K] (one row per slot, e.g. the down projection), blocks [E, N, ...] -> [..., k, N].
+- ``q4_0_gate_up_gather(x, ids, blocks, f)``, ``q8_0_gate_up_gather``: x [..., K], blocks
   [E, 2F, ...] whose rows 0..F-1 are gate and F..2F-1 up (``ffn_gate_up_exps``) ->
-  gelu_tanh(gate) * up, [M, k, F], computed in f32 and rounded once.
+  gelu_tanh(gate) * up, [..., k, F], computed in f32 and rounded once.
 - ``quant_matvec(x, blocks, ggml_type, n)``: the dense op chosen by GGML type id (2, 8, 14).
 - ``gate_up(x, blocks, ggml_type, f)``: a dense MLP's gate and up projections stored as one
   [2F, ...] matrix -> gelu_tanh(gate) * up [..., F] (one row: the gate/up kernel with one expert,
   split K on CUDA; 2..8 rows: the dense kernel, then the product).
 - ``q4_0_moe_down(x, ids, weights, blocks, n)``, ``q8_0_moe_down``: MoE down projection and the
-  router-weighted sum over the k slots: x [M, k, K], ids/weights [M, k] -> [M, N] (Q4_0: one launch
-  on CUDA).
+  router-weighted sum over the k slots: x [..., k, K], ids/weights [..., k] -> [..., N] (Q4_0: one
+  launch on CUDA).
 
 On a GPU build with at most 8 activation rows these run the custom kernel; on CPU, for M > 8, or
 with ``GEMMA4_MLX_KERNELS=reference`` they run the pure-MLX reference (dequantize to f32, matmul,
@@ -218,11 +218,24 @@ def gate_up_reference(x: mx.array, blocks: mx.array, ggml_type: int, f: int) -> 
     return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
 
 
+def _pairs(x: mx.array, ids: mx.array) -> tuple[int, int, bool]:
+    """(M tokens, k slots, whether x holds a row per slot) of a gathered call: ids [..., k], x
+    [..., K] or [..., k, K] (the lead dims flattened into M)."""
+    return math.prod(ids.shape[:-1]), ids.shape[-1], x.ndim > ids.ndim
+
+
 def _expert_products(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, k: int) -> mx.array:
-    """f32 W[ids[m, s]] @ row(m, s) -> [M, k, N]; row = x[m] (x [M, K]) or x[m, s] (x [M, k, K]).
+    """f32 W[ids[m, s]] @ row(m, s) -> [..., k, N]; row = x[m] (x [..., K]) or x[m, s] (x [..., k, K]).
 
     Few (token, slot) pairs: dequantize just the selected experts. Many (prefill): dequantize the
     stack once and let gather_mm pick, instead of an [M, k, N, K] copy of the weights."""
+    m, slots, per_pair = _pairs(x, ids)
+    lead = ids.shape[:-1]
+    x, ids = x.reshape(m, slots, k) if per_pair else x.reshape(m, k), ids.reshape(m, slots)
+    return _expert_products_2d(x, ids, blocks, ggml_type, k).reshape(*lead, slots, -1)
+
+
+def _expert_products_2d(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, k: int) -> mx.array:
     xf = x.astype(mx.float32)
     rows = xf[:, None, None, :] if x.ndim == 2 else xf[..., None, :]  # [M, 1 | k, 1, K]
     if ids.size < blocks.shape[0]:
@@ -235,7 +248,7 @@ def _expert_products(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: in
 def matvec_gather_reference(
     x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, n: int
 ) -> mx.array:
-    """Reference for expert-gathered matvec: out[m, s] = W[ids[m, s]] @ x[m] (or x[m, s]) -> [M, k, N]."""
+    """Reference for expert-gathered matvec: out[m, s] = W[ids[m, s]] @ x[m] (or x[m, s]) -> [..., k, N]."""
     k = _check_gather(x, ids, blocks, ggml_type, n)
     return _expert_products(x, ids, blocks, ggml_type, k).astype(x.dtype)
 
@@ -243,10 +256,9 @@ def matvec_gather_reference(
 def gate_up_gather_reference(
     x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, f: int
 ) -> mx.array:
-    """Reference for the fused expert gate/up: gelu_tanh(gate) * up in f32 -> [M, k, F], x.dtype."""
+    """Reference for the fused expert gate/up: gelu_tanh(gate) * up in f32 -> [..., k, F], x.dtype."""
     k = _check_gather(x, ids, blocks, ggml_type, 2 * f)
-    if x.ndim != 2:
-        raise ValueError("gate_up: x must be [M, K] (every slot reads its token's row)")
+    _check_gate_up(x, ids)
     gu = _expert_products(x, ids, blocks, ggml_type, k)
     return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
 
@@ -254,12 +266,11 @@ def gate_up_gather_reference(
 def moe_down_reference(x: mx.array, ids: mx.array, weights: mx.array, blocks: mx.array, ggml_type: int,
                        n: int) -> mx.array:  # fmt: skip
     """Reference for the fused MoE down projection: sum_s weights[m, s] * W[ids[m, s]] @ x[m, s] in
-    f32 -> [M, N], x.dtype. x [M, k, K], ids int32 [M, k], weights [M, k]."""
+    f32 -> [..., N], x.dtype. x [..., k, K], ids int32 [..., k], weights [..., k]."""
     k = _check_gather(x, ids, blocks, ggml_type, n)
-    if x.ndim != 3 or weights.shape != ids.shape:
-        raise ValueError(f"moe_down: x must be [M, k, K] and weights [M, k]; got {x.shape}, {weights.shape}")
-    prod = _expert_products(x, ids, blocks, ggml_type, k)  # [M, k, N] f32
-    return (prod * weights.astype(mx.float32)[..., None]).sum(axis=1).astype(x.dtype)
+    _check_moe_down(x, ids, weights)
+    prod = _expert_products(x, ids, blocks, ggml_type, k)  # [..., k, N] f32
+    return (prod * weights.astype(mx.float32)[..., None]).sum(axis=-2).astype(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,17 +299,11 @@ def _check_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, 
     f = _fmt(ggml_type)
     if x.dtype not in _ACT_DTYPES:
         raise TypeError(f"activations must be float32/bfloat16/float16, got {x.dtype}")
-    if ids.ndim != 2 or ids.dtype != mx.int32:
-        raise ValueError(f"ids must be int32 [M, k], got {ids.dtype} {ids.shape}")
-    m, slots = ids.shape
-    if x.ndim == 2:
-        if x.shape[0] != m:
-            raise ValueError(f"x {x.shape} and ids {ids.shape} disagree on M")
-    elif x.ndim == 3:
-        if x.shape[:2] != (m, slots):
-            raise ValueError(f"x {x.shape} must be [M, k, K] to match ids {ids.shape}")
-    else:
-        raise ValueError(f"x must be [M, K] or [M, k, K], got {x.shape}")
+    if ids.ndim < 2 or ids.dtype != mx.int32:
+        raise ValueError(f"ids must be int32 [..., M, k], got {ids.dtype} {ids.shape}")
+    if x.shape[:-1] not in (ids.shape, ids.shape[:-1]):
+        raise ValueError(f"x must be [..., K] (a row per token) or [..., k, K] (a row per slot) with ids' "
+                         f"lead dims, got x {x.shape} and ids {ids.shape}")  # fmt: skip
     k = x.shape[-1]
     if blocks.dtype != mx.uint8 or blocks.ndim != 3 or blocks.shape[1:] != (n, row_bytes(ggml_type, k)):
         raise ValueError(
@@ -306,6 +311,17 @@ def _check_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, 
             f"got {blocks.dtype} {blocks.shape}"
         )
     return k
+
+
+def _check_gate_up(x: mx.array, ids: mx.array) -> None:
+    if x.ndim > ids.ndim:
+        raise ValueError(f"gate_up: x must be [..., K] (every slot reads its token's row), got {x.shape}")
+
+
+def _check_moe_down(x: mx.array, ids: mx.array, weights: mx.array) -> None:
+    if x.ndim == ids.ndim or weights.shape != ids.shape:
+        raise ValueError(f"moe_down: x must be [..., k, K] and weights [..., k] like ids {ids.shape}; got "
+                         f"{x.shape}, {weights.shape}")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,7 +351,7 @@ _SETUP_GATHER = """
   const int row_bytes = wq_shape[2];
   const int pair = $tg_y;
   const int expert = ids[pair];
-  const int token = pair / ids_shape[1];
+  const int token = pair / ids_shape[ids_ndim - 1];
   const $device T* xrow = x + (size_t)(XPP ? pair : token) * K;
   const bool live = expert >= 0 && expert < n_experts;
   const $device uint8_t* wmat = wq + (size_t)(live ? expert : 0) * N * row_bytes;
@@ -349,7 +365,7 @@ _SETUP_GATE_UP = """
   const int row_bytes = wq_shape[2];
   const int pair = $tg_y;
   const int expert = ids[pair];
-  const int token = pair / ids_shape[1];
+  const int token = pair / ids_shape[ids_ndim - 1];
   const $device T* xrow = x + (size_t)token * K;
   const bool live = expert >= 0 && expert < n_experts;
   const $device uint8_t* wmat = wq + (size_t)(live ? expert : 0) * 2 * F * row_bytes;
@@ -877,23 +893,20 @@ def launch_dense(x2: mx.array, blocks: mx.array, ggml_type: int, n: int,
 
 def launch_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, n: int,
                   config: KernelConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
-    """Run the gathered kernel (no fallback; GPU builds only) -> [M, k, N]."""
-    m, slots = ids.shape
-    k = x.shape[-1]
-    per_pair = x.ndim == 3
-    plan = plan_launch(ggml_type, "gather", dtype_name(x.dtype), m, n, k, slots, per_pair, config)
-    return _run(_kernel_def(ggml_type, "gather"), [x, ids, blocks], plan, x.dtype, init_value)
+    """Run the gathered kernel (no fallback; GPU builds only) -> [..., k, N]."""
+    m, slots, per_pair = _pairs(x, ids)
+    plan = plan_launch(ggml_type, "gather", dtype_name(x.dtype), m, n, x.shape[-1], slots, per_pair, config)
+    return _run(_kernel_def(ggml_type, "gather"), [x, ids, blocks], plan, x.dtype, init_value, (*ids.shape, n))
 
 
 def launch_gate_up(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, f: int,
                    config: KernelConfig | None = None, init_value: float | None = None,
                    out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
-    """Run the fused gate/up kernel (no fallback; GPU builds only) -> [M, k, F] (or out_shape)."""
-    m, slots = ids.shape
-    k = x.shape[-1]
-    plan = plan_launch(ggml_type, "gate_up", dtype_name(x.dtype), m, f, k, slots, config=config)
+    """Run the fused gate/up kernel (no fallback; GPU builds only) -> [..., k, F] (or out_shape)."""
+    m, slots, _ = _pairs(x, ids)
+    plan = plan_launch(ggml_type, "gate_up", dtype_name(x.dtype), m, f, x.shape[-1], slots, config=config)
     kdef = _kernel_def(ggml_type, "gate_up", False, plan.k_split)
-    return _run(kdef, [x, ids, blocks], plan, x.dtype, init_value, out_shape)
+    return _run(kdef, [x, ids, blocks], plan, x.dtype, init_value, out_shape or (*ids.shape, f))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1261,17 +1274,17 @@ _STREAM_SETUP = {
     live = expert >= 0 && expert < n_experts;
     wmat = wq + (size_t)(live ? expert : 0) * N * row_bytes;
   }
-  xrow = XPP ? pair : pair / ids_shape[1];
+  xrow = XPP ? pair : pair / ids_shape[ids_ndim - 1];
 """,
     "down_sum": """
   const int n_experts = wq_shape[0];
   const int N = wq_shape[1];
   const int row_bytes = wq_shape[2];
-  const int slots = ids_shape[1];
+  const int slots = ids_shape[ids_ndim - 1];
   const int token = (int)blockIdx.y;
 """,
 }
-_STREAM_SETUP["gate_up"] = _STREAM_SETUP["gather"].replace("XPP ? pair : pair / ids_shape[1]", "pair / ids_shape[1]")
+_STREAM_SETUP["gate_up"] = _STREAM_SETUP["gather"].replace("XPP ? pair : pair / ids_shape[ids_ndim - 1]", "pair / ids_shape[ids_ndim - 1]")
 
 # down_sum: warp w takes slots w, w + NW, ... of its token; each slot's expert is a new pipeline
 _STREAM_SLOTS = {
@@ -1481,35 +1494,33 @@ def launch_dense_stream(x2: mx.array, blocks: mx.array, n: int, config: StreamCo
 
 def launch_gather_stream(x: mx.array, ids: mx.array, blocks: mx.array, n: int,
                          config: StreamConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
-    """CUDA stream kernel for Q4_0 experts: x [M, K] or [M, k, K] bf16, ids [M, k] -> [M, k, N]."""
+    """CUDA stream kernel for Q4_0 experts: x [..., K] or [..., k, K] bf16, ids [..., k] -> [..., k, N]."""
     _need_bf16(x)
-    m, slots = ids.shape
-    k = x.shape[-1]
-    per_pair = x.ndim == 3
-    plan = plan_stream("gather", m, n, k, slots, per_pair, config)
-    return _run(_stream_def("gather"), [x, ids, blocks], plan, x.dtype, init_value)
+    m, slots, per_pair = _pairs(x, ids)
+    plan = plan_stream("gather", m, n, x.shape[-1], slots, per_pair, config)
+    return _run(_stream_def("gather"), [x, ids, blocks], plan, x.dtype, init_value, (*ids.shape, n))
 
 
 def launch_down_sum_stream(x: mx.array, ids: mx.array, weights: mx.array, blocks: mx.array, n: int,
                            config: StreamConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
-    """CUDA stream kernel, fused MoE down projection and weighted sum over the slots: x [M, k, K]
-    bf16, ids int32 [M, k], weights [M, k] (f32) -> sum_s weights[m, s] * W[ids[m, s]] @ x[m, s],
-    [M, N] bf16 (f32 sums, one rounding)."""
+    """CUDA stream kernel, fused MoE down projection and weighted sum over the slots: x [..., k, K]
+    bf16, ids int32 [..., k], weights [..., k] (f32) -> sum_s weights[m, s] * W[ids[m, s]] @ x[m, s],
+    [..., N] bf16 (f32 sums, one rounding)."""
     _need_bf16(x)
-    m, slots = ids.shape
-    k = x.shape[-1]
-    plan = plan_stream("down_sum", m, n, k, slots, True, config)
+    m, slots, _ = _pairs(x, ids)
+    plan = plan_stream("down_sum", m, n, x.shape[-1], slots, True, config)
     return _run(_stream_def("down_sum"), [x, ids, weights.astype(mx.float32), blocks], plan, x.dtype,
-                init_value)  # fmt: skip
+                init_value, (*ids.shape[:-1], n))  # fmt: skip
 
 
 def launch_gate_up_stream(x: mx.array, ids: mx.array, blocks: mx.array, f: int,
                           config: StreamConfig | None = None, init_value: float | None = None) -> mx.array:  # fmt: skip
-    """CUDA stream kernel for the fused Q4_0 expert gate/up: x [M, K] bf16 -> gelu(g) * u [M, k, F]."""
+    """CUDA stream kernel for the fused Q4_0 expert gate/up: x [..., K] bf16, ids [..., k] -> gelu(g) *
+    u [..., k, F]."""
     _need_bf16(x)
-    m, slots = ids.shape
+    m, slots, _ = _pairs(x, ids)
     plan = plan_stream("gate_up", m, f, x.shape[-1], slots, config=config)
-    return _run(_stream_def("gate_up"), [x, ids, blocks], plan, x.dtype, init_value)
+    return _run(_stream_def("gate_up"), [x, ids, blocks], plan, x.dtype, init_value, (*ids.shape, f))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1595,7 +1606,7 @@ def q6_k_matvec(x: mx.array, blocks: mx.array, n: int) -> mx.array:
 
 def _gather(x, ids, blocks, ggml_type, n):
     _check_gather(x, ids, blocks, ggml_type, n)
-    if use_reference() or not 1 <= ids.shape[0] <= MAX_ROWS:
+    if use_reference() or not 1 <= _pairs(x, ids)[0] <= MAX_ROWS:
         return matvec_gather_reference(x, ids, blocks, ggml_type, n)
     if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1]):
         return launch_gather_stream(x, ids, blocks, n)
@@ -1603,20 +1614,19 @@ def _gather(x, ids, blocks, ggml_type, n):
 
 
 def q4_0_matvec_gather(x: mx.array, ids: mx.array, blocks: mx.array, n: int) -> mx.array:
-    """Experts: x [M, K] or [M, k, K], ids int32 [M, k], Q4_0 blocks [E, N, K // 32 * 18] -> [M, k, N]."""
+    """Experts: x [..., K] or [..., k, K], ids int32 [..., k], Q4_0 blocks [E, N, K // 32 * 18] -> [..., k, N]."""
     return _gather(x, ids, blocks, Q4_0, n)
 
 
 def q8_0_matvec_gather(x: mx.array, ids: mx.array, blocks: mx.array, n: int) -> mx.array:
-    """Experts: x [M, K] or [M, k, K], ids int32 [M, k], Q8_0 blocks [E, N, K // 32 * 34] -> [M, k, N]."""
+    """Experts: x [..., K] or [..., k, K], ids int32 [..., k], Q8_0 blocks [E, N, K // 32 * 34] -> [..., k, N]."""
     return _gather(x, ids, blocks, Q8_0, n)
 
 
 def _gate_up(x, ids, blocks, ggml_type, f):
     _check_gather(x, ids, blocks, ggml_type, 2 * f)
-    if x.ndim != 2:
-        raise ValueError("gate_up: x must be [M, K]")
-    if use_reference() or not 1 <= ids.shape[0] <= MAX_ROWS:
+    _check_gate_up(x, ids)
+    if use_reference() or not 1 <= _pairs(x, ids)[0] <= MAX_ROWS:
         return gate_up_gather_reference(x, ids, blocks, ggml_type, f)
     if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1]):
         return launch_gate_up_stream(x, ids, blocks, f)
@@ -1624,32 +1634,31 @@ def _gate_up(x, ids, blocks, ggml_type, f):
 
 
 def q4_0_gate_up_gather(x: mx.array, ids: mx.array, blocks: mx.array, f: int) -> mx.array:
-    """Fused expert gate/up: x [M, K], ids [M, k], Q4_0 ``ffn_gate_up_exps`` blocks [E, 2F, ...]
-    -> gelu_tanh(gate) * up [M, k, F], x.dtype."""
+    """Fused expert gate/up: x [..., K], ids [..., k], Q4_0 ``ffn_gate_up_exps`` blocks [E, 2F, ...]
+    -> gelu_tanh(gate) * up [..., k, F], x.dtype."""
     return _gate_up(x, ids, blocks, Q4_0, f)
 
 
 def q8_0_gate_up_gather(x: mx.array, ids: mx.array, blocks: mx.array, f: int) -> mx.array:
-    """Fused expert gate/up on Q8_0 blocks [E, 2F, K // 32 * 34] -> [M, k, F], x.dtype."""
+    """Fused expert gate/up on Q8_0 blocks [E, 2F, K // 32 * 34] -> [..., k, F], x.dtype."""
     return _gate_up(x, ids, blocks, Q8_0, f)
 
 
 def _moe_down(x, ids, weights, blocks, ggml_type, n):
     _check_gather(x, ids, blocks, ggml_type, n)
-    if x.ndim != 3 or weights.shape != ids.shape:
-        raise ValueError(f"moe_down: x must be [M, k, K] and weights [M, k]; got {x.shape}, {weights.shape}")
-    if use_reference() or not 1 <= ids.shape[0] <= MAX_ROWS:
+    _check_moe_down(x, ids, weights)
+    if use_reference() or not 1 <= _pairs(x, ids)[0] <= MAX_ROWS:
         return moe_down_reference(x, ids, weights, blocks, ggml_type, n)
     if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1]):
         return launch_down_sum_stream(x, ids, weights, blocks, n)
     per_slot = launch_gather(x, ids, blocks, ggml_type, n).astype(mx.float32)
-    return (per_slot * weights.astype(mx.float32)[..., None]).sum(axis=1).astype(x.dtype)
+    return (per_slot * weights.astype(mx.float32)[..., None]).sum(axis=-2).astype(x.dtype)
 
 
 def q4_0_moe_down(x: mx.array, ids: mx.array, weights: mx.array, blocks: mx.array, n: int) -> mx.array:
-    """MoE down projection fused with the router-weighted sum over the k slots: x [M, k, K] (one row
-    per slot, e.g. gelu(gate) * up), ids int32 [M, k], weights [M, k], Q4_0 blocks [E, N, K // 32 * 18]
-    -> sum_s weights[m, s] * W[ids[m, s]] @ x[m, s], [M, N] in x.dtype (f32 sums, one rounding).
+    """MoE down projection fused with the router-weighted sum over the k slots: x [..., k, K] (one
+    row per slot, e.g. gelu(gate) * up), ids int32 [..., k], weights [..., k], Q4_0 blocks [E, N, K //
+    32 * 18] -> sum_s weights[m, s] * W[ids[m, s]] @ x[m, s], [..., N] in x.dtype (f32 sums, one rounding).
     One launch on CUDA (stream kernel, bf16); elsewhere the gathered kernel then the weighted sum."""
     return _moe_down(x, ids, weights, blocks, Q4_0, n)
 
@@ -1732,7 +1741,9 @@ def _dense_case(rng, ggml_type, dtype_name, m, n, k, config):
     )  # fmt: skip
 
 
-def _gather_case(rng, ggml_type, kind, dtype_name, m, slots, experts, n, k, x_per_pair, config):
+def _gather_case(rng, ggml_type, kind, dtype_name, m, slots, experts, n, k, x_per_pair, config, lead=None):
+    """lead: the M tokens' lead dims of ids / x / out when not (M,) (the kernels read the slot count
+    from ids' last dimension)."""
     from .registry import KernelCase
 
     rows = 2 * n if kind == "gate_up" else n
@@ -1751,11 +1762,14 @@ def _gather_case(rng, ggml_type, kind, dtype_name, m, slots, experts, n, k, x_pe
         expected, scale = full, float(mag.max())
     rtol, atol = _tolerances(dtype_name, scale)
     plan = plan_launch(ggml_type, kind, dtype_name, m, n, k, slots, x_per_pair, config)
+    lead = lead or (m,)
+    ids, expected = ids.reshape(*lead, slots), expected.reshape(*lead, slots, n)
+    x = x.reshape(*lead, *((slots,) if x_per_pair else ()), k)
     return KernelCase(
         inputs={"x": x, "ids": ids, "wq": wq}, template=plan.template, grid=plan.grid,
-        threadgroup=plan.threadgroup, output_shapes=[plan.output_shape], output_dtypes=[dtype_name],
+        threadgroup=plan.threadgroup, output_shapes=[expected.shape], output_dtypes=[dtype_name],
         expected=[expected], rtol=rtol, atol=atol, input_dtypes=in_dt,
-        label=f"{dtype_name} M={m} k={slots} E={experts} N={n} K={k} xpp={x_per_pair} {config}",
+        label=f"{dtype_name} lead={lead} k={slots} E={experts} N={n} K={k} xpp={x_per_pair} {config}",
     )  # fmt: skip
 
 
@@ -1779,8 +1793,8 @@ def _cases(ggml_type: int, kind: str):
             ]
         return [
             _gather_case(rng, ggml_type, kind, "float32", 1, 3, 5, 11, 96, False, c(4, 2, 2)),
-            _gather_case(rng, ggml_type, kind, "bfloat16", 2, 2, 4, 7, 160, kind == "gather", c(2, 1, 4)),
-            _gather_case(rng, ggml_type, kind, "float32", 3, 2, 6, 9, 1056, False, c(4, 1, 1)),
+            _gather_case(rng, ggml_type, kind, "bfloat16", 2, 2, 4, 7, 160, kind == "gather", c(2, 1, 4), (2, 1)),
+            _gather_case(rng, ggml_type, kind, "float32", 3, 2, 6, 9, 1056, False, c(4, 1, 1), (1, 3)),
         ]
 
     return make
@@ -1842,19 +1856,19 @@ def _mma_cases(rng: np.random.Generator):
             _mma_case(rng, 5, 33, 160, MmaConfig(4, 1))]  # fmt: skip
 
 
-def _stream_case(rng, kind, m, n, k, slots, experts, x_per_pair, config):
+def _stream_case(rng, kind, m, n, k, slots, experts, x_per_pair, config, lead=None):
     """A bf16 case of a stream kernel: dense (the mma case's numbers) or gathered (the FMA's)."""
     if kind == "dense":
         case = _mma_case(rng, m, n, k, None)
         plan = plan_stream("dense", m, n, k, config=config)
     else:
-        case = _gather_case(rng, Q4_0, kind, "bfloat16", m, slots, experts, n, k, x_per_pair, KernelConfig())
+        case = _gather_case(rng, Q4_0, kind, "bfloat16", m, slots, experts, n, k, x_per_pair, KernelConfig(), lead)
         plan = plan_stream(kind, m, n, k, slots, x_per_pair, config)
     return dataclasses.replace(case, template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
                              label=f"{kind} M={m} N={n} K={k} CH={stream_copy_width(row_bytes(Q4_0, k))} {config}")
 
 
-def _down_sum_case(rng, m, slots, experts, n, k, config):
+def _down_sum_case(rng, m, slots, experts, n, k, config, lead=None):
     from .registry import KernelCase
 
     x, x64, in_dt = _activations(rng, (m * slots, k), "bfloat16")
@@ -1867,11 +1881,14 @@ def _down_sum_case(rng, m, slots, experts, n, k, config):
     scale = float(np.einsum("ms,msnk,msk->mn", wts.astype(np.float64), np.abs(w64), np.abs(xs)).max())
     rtol, atol = _tolerances("bfloat16", scale)
     plan = plan_stream("down_sum", m, n, k, slots, True, config)
+    lead = lead or (m,)
+    x, ids, wts = x.reshape(*lead, slots, k), ids.reshape(*lead, slots), wts.reshape(*lead, slots)
+    expected = expected.reshape(*lead, n)
     return KernelCase(
         inputs={"x": x, "ids": ids, "wts": wts, "wq": wq}, template=plan.template, grid=plan.grid,
-        threadgroup=plan.threadgroup, output_shapes=[plan.output_shape], output_dtypes=["bfloat16"],
+        threadgroup=plan.threadgroup, output_shapes=[expected.shape], output_dtypes=["bfloat16"],
         expected=[expected], rtol=rtol, atol=atol, input_dtypes=in_dt,
-        label=f"down_sum M={m} k={slots} E={experts} N={n} K={k} {config}",
+        label=f"down_sum lead={lead} k={slots} E={experts} N={n} K={k} {config}",
     )  # fmt: skip
 
 
@@ -1883,7 +1900,7 @@ def _stream_cases(kind: str):
         s = StreamConfig
         if kind == "down_sum":
             return [_down_sum_case(rng, 1, 8, 10, 37, 704, s(1, 8, 2)),
-                    _down_sum_case(rng, 2, 3, 5, 21, 1024, s(2, 1, 3, 16))]  # fmt: skip
+                    _down_sum_case(rng, 2, 3, 5, 21, 1024, s(2, 1, 3, 16), (1, 2))]  # fmt: skip
         if kind == "dense":
             return [_stream_case(rng, kind, 1, 37, 1024, 1, 0, False, s(1, 2, 2, 32)),
                     _stream_case(rng, kind, 8, 70, 704, 1, 0, False, s(2, 2, 3)),
@@ -1891,7 +1908,7 @@ def _stream_cases(kind: str):
                     _stream_case(rng, kind, 2, 19, 2816, 1, 0, False, s(1, 1, 2, 64)),
                     _stream_case(rng, kind, 1, 45, 5376, 1, 0, False, s(1, 2, 3, 16, True))]  # fmt: skip
         return [_stream_case(rng, kind, 1, 19, 1024, 4, 6, False, s(1, 2, 3, 8, True)),
-                _stream_case(rng, kind, 2, 21, 320, 2, 5, kind == "gather", s(2, 1, 2)),
+                _stream_case(rng, kind, 2, 21, 320, 2, 5, kind == "gather", s(2, 1, 2), (2, 1)),
                 _stream_case(rng, kind, 1, 9, 704, 3, 4, kind == "gather", s(1, 2, 4, 16))]  # fmt: skip
 
     return make

@@ -138,13 +138,11 @@ class BlockExperts(nn.Module):
 
         gate_up_gather = {Q4_0: qm.q4_0_gate_up_gather, Q8_0: qm.q8_0_gate_up_gather}[self.gate_up_type]
         moe_down = {Q4_0: qm.q4_0_moe_down, Q8_0: qm.q8_0_moe_down}[self.down_type]
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.hidden)
-        ids = indices.reshape(x2.shape[0], -1).astype(mx.int32)
-        gate_up = gate_up_gather(x2, ids, self.gate_up_blocks, self.width)  # [M, k, F]
+        ids = indices if indices.dtype == mx.int32 else indices.astype(mx.int32)
+        # the ops take any lead dims, so a decode step has no reshape node here
+        gate_up = gate_up_gather(x, ids, self.gate_up_blocks, self.width)  # [..., k, F]
         # down projection and router-weighted sum over the k slots, f32 sums
-        y = moe_down(gate_up, ids, weights.reshape(ids.shape), self.down_blocks, self.hidden)
-        return y.reshape(*lead, self.hidden)
+        return moe_down(gate_up, ids, weights, self.down_blocks, self.hidden)
 
 
 class FusedBlockLinear:

@@ -325,3 +325,34 @@ def test_stream_dispatch(monkeypatch):
     per, mag = _expert_products(s64, xs64.reshape(-1, 512), ids, True)
     _check(qm.q4_0_moe_down(xs, mx.array(ids), mx.array(wts), mx.array(stack), 40), np.einsum("ms,msn->mn", wts, per),
            np.einsum("ms,msn->mn", wts, mag), mx.bfloat16, "moe_down dispatch")  # fmt: skip
+
+
+@pytest.mark.parametrize("ggml_type,dtype", [(qm.Q4_0, mx.bfloat16), (qm.Q4_0, mx.float32), (qm.Q8_0, mx.bfloat16)])
+def test_expert_ops_with_lead_dims(ggml_type, dtype):
+    """The expert ops with ids [2, 3, k] / [1, 1, k] (a decode step passes them unreshaped; the kernels
+    read the slot count from ids' last dimension): bit-equal to the same call on [M, k] ids, in the
+    caller's shape (the kernels' accuracy is checked against float64 by the tests above)."""
+    rng = np.random.default_rng(31)
+    gate_up = {qm.Q4_0: qm.q4_0_gate_up_gather, qm.Q8_0: qm.q8_0_gate_up_gather}[ggml_type]
+    gather = {qm.Q4_0: qm.q4_0_matvec_gather, qm.Q8_0: qm.q8_0_matvec_gather}[ggml_type]
+    down = {qm.Q4_0: qm.q4_0_moe_down, qm.Q8_0: qm.q8_0_moe_down}[ggml_type]
+    gu_stack = mx.array(qm.random_blocks(rng, ggml_type, (8, 2 * 96), 512))
+    dn_stack = mx.array(qm.random_blocks(rng, ggml_type, (8, 512), 96))
+
+    def same(a, b):
+        return np.array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
+
+    for lead in ((2, 3), (1, 1)):
+        m = int(np.prod(lead))
+        x, _ = _acts(rng, (*lead, 512), dtype)
+        ids = mx.array(np.stack([rng.permutation(8)[:4] for _ in range(m)]).astype(np.int32).reshape(*lead, 4))
+        wts = mx.array(rng.random((*lead, 4)).astype(np.float32))
+        h = gate_up(x, ids, gu_stack, 96)
+        h_flat = gate_up(x.reshape(m, 512), ids.reshape(m, 4), gu_stack, 96)
+        assert h.shape == (*lead, 4, 96) and same(h.reshape(m, 4, 96), h_flat)
+        g = gather(h, ids, dn_stack, 512)
+        g_flat = gather(h_flat, ids.reshape(m, 4), dn_stack, 512)
+        assert g.shape == (*lead, 4, 512) and same(g.reshape(m, 4, 512), g_flat)
+        y = down(h, ids, wts, dn_stack, 512)
+        y_flat = down(h_flat, ids.reshape(m, 4), wts.reshape(m, 4), dn_stack, 512)
+        assert y.shape == (*lead, 512) and same(y.reshape(m, 512), y_flat)

@@ -242,6 +242,35 @@ def test_public_ops_match_references():
         )
 
 
+def test_expert_ops_take_lead_dims():
+    """The expert ops flatten ids' lead dims into tokens (a decode step passes [B, T, k] ids and
+    [B, T, H] rows unreshaped): same values as the [M, k] call, in the caller's shape; x whose
+    lead dims match neither ids nor ids' tokens is refused."""
+    rng = np.random.default_rng(11)
+    x = mx.array(rng.standard_normal((2, 3, 64)).astype(np.float32))
+    ids = mx.array(rng.integers(0, 4, (2, 3, 2)).astype(np.int32))
+    w = mx.array(rng.random((2, 3, 2)).astype(np.float32))
+    stack = mx.array(qm.random_blocks(rng, qm.Q4_0, (4, 10), 64))
+    down = mx.array(qm.random_blocks(rng, qm.Q8_0, (4, 64), 32))
+    gu = qm.q4_0_gate_up_gather(x, ids, stack, 5)
+    assert gu.shape == (2, 3, 2, 5)
+    flat = qm.q4_0_gate_up_gather(x.reshape(6, 64), ids.reshape(6, 2), stack, 5)
+    np.testing.assert_allclose(gu.reshape(6, 2, 5), flat, rtol=1e-6, atol=1e-6)
+    g = qm.q4_0_matvec_gather(x, ids, stack, 10)
+    assert g.shape == (2, 3, 2, 10)
+    np.testing.assert_allclose(g.reshape(6, 2, 10), qm.q4_0_matvec_gather(x.reshape(6, 64), ids.reshape(6, 2), stack, 10),
+                               rtol=1e-6, atol=1e-6)  # fmt: skip
+    h = mx.array(rng.standard_normal((2, 3, 2, 32)).astype(np.float32))
+    y = qm.q8_0_moe_down(h, ids, w, down, 64)
+    assert y.shape == (2, 3, 64)
+    want = qm.q8_0_moe_down(h.reshape(6, 2, 32), ids.reshape(6, 2), w.reshape(6, 2), down, 64)
+    np.testing.assert_allclose(y.reshape(6, 64), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="lead dims"):
+        qm.q4_0_matvec_gather(x.reshape(3, 2, 64), ids, stack, 10)
+    with pytest.raises(ValueError, match="moe_down"):
+        qm.q8_0_moe_down(mx.ones((2, 3, 32)), ids, w, down, 64)  # a row per token, not per slot
+
+
 def test_argument_errors():
     raw = mx.array(qm.random_blocks(np.random.default_rng(8), qm.Q4_0, (4,), 64))
     x = mx.zeros((1, 64))
