@@ -300,7 +300,7 @@ def _check_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, 
     if x.dtype not in _ACT_DTYPES:
         raise TypeError(f"activations must be float32/bfloat16/float16, got {x.dtype}")
     if ids.ndim < 2 or ids.dtype != mx.int32:
-        raise ValueError(f"ids must be int32 [..., M, k], got {ids.dtype} {ids.shape}")
+        raise ValueError(f"ids must be int32 [M, k] (or [..., M, k]), got {ids.dtype} {ids.shape}")
     if x.shape[:-1] not in (ids.shape, ids.shape[:-1]):
         raise ValueError(f"x must be [..., K] (a row per token) or [..., k, K] (a row per slot) with ids' "
                          f"lead dims, got x {x.shape} and ids {ids.shape}")  # fmt: skip
