@@ -232,7 +232,7 @@ def _expert_products(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: in
     m, slots, per_pair = _pairs(x, ids)
     lead = ids.shape[:-1]
     x, ids = x.reshape(m, slots, k) if per_pair else x.reshape(m, k), ids.reshape(m, slots)
-    return _expert_products_2d(x, ids, blocks, ggml_type, k).reshape(*lead, slots, -1)
+    return _expert_products_2d(x, ids, blocks, ggml_type, k).reshape(*lead, slots, blocks.shape[1])
 
 
 def _expert_products_2d(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, k: int) -> mx.array:
@@ -1828,7 +1828,7 @@ def _gate_up_split_cases(ggml_type: int):
         c = KernelConfig
         return [
             _gather_case(rng, ggml_type, "gate_up", "bfloat16", 1, 1, 1, 13, 1056, False, c(2, 4, 2, 0, 4)),
-            _gather_case(rng, ggml_type, "gate_up", "float32", 2, 3, 5, 7, 800, False, c(3, 2, 4, 0, 2)),
+            _gather_case(rng, ggml_type, "gate_up", "float32", 2, 3, 5, 7, 800, False, c(3, 2, 4, 0, 2), (1, 2)),
             _gather_case(rng, ggml_type, "gate_up", "float32", 1, 1, 1, 37, 2080, False, c(5, 8, 1, 0, 8)),
         ]
 

@@ -265,6 +265,8 @@ def test_expert_ops_take_lead_dims():
     assert y.shape == (2, 3, 64)
     want = qm.q8_0_moe_down(h.reshape(6, 2, 32), ids.reshape(6, 2), w.reshape(6, 2), down, 64)
     np.testing.assert_allclose(y.reshape(6, 64), want, rtol=1e-6, atol=1e-6)
+    empty = qm.q4_0_gate_up_gather(mx.zeros((0, 64)), mx.zeros((0, 2), mx.int32), stack, 5)
+    assert empty.shape == (0, 2, 5)  # no tokens: an empty result, as before lead dims
     with pytest.raises(ValueError, match="lead dims"):
         qm.q4_0_matvec_gather(x.reshape(3, 2, 64), ids, stack, 10)
     with pytest.raises(ValueError, match="moe_down"):
