@@ -511,7 +511,8 @@ class AttentionConfig:
     """Geometry: ``rows`` query rows per threadgroup at most (QT), ``simd_groups`` (NSG),
     ``tile`` slots per tile (TS), ``min_chunk`` slots per partition at least (CMIN),
     ``target_groups`` threadgroups to aim for at full length when choosing the partition count,
-    and ``max_parts`` partitions at most (long caches then get longer partitions)."""
+    ``max_parts`` partitions at most (long caches then get longer partitions), except that a
+    layer keeps ``min_groups`` threadgroups when its cache is long enough (few K/V heads)."""
 
     rows: int = 16
     simd_groups: int = 4
@@ -519,6 +520,7 @@ class AttentionConfig:
     min_chunk: int = 256
     target_groups: int = 512
     max_parts: int = 4096
+    min_groups: int = 0
 
     def __post_init__(self):
         if not 1 <= self.rows <= 64:
@@ -533,6 +535,8 @@ class AttentionConfig:
             raise ValueError("target_groups must be positive")
         if self.max_parts < 1:
             raise ValueError("max_parts must be positive")
+        if self.min_groups < 0:
+            raise ValueError("min_groups must be >= 0")
 
 
 GEOMETRY_ENV = "GEMMA4_MLX_ATTENTION_GEOMETRY"
@@ -544,15 +548,17 @@ def default_config(head_dim: int, which: str | None = None) -> AttentionConfig:
     on CUDA (static shared memory < 48 KB) and 16 KB on Metal (32 KB in all). CUDA (measured on the
     H200, bench/NOTES.md 2026-11-30): partitions of one 32-slot tile, up to 4096 threadgroups and
     at most 512 partitions, since each threadgroup walks its tiles one after another and the GPU
-    must hold thousands of them to keep HBM busy. Metal (not measured): partitions of at least 256
-    slots, about 128 threadgroups. GEMMA4_MLX_ATTENTION_GEOMETRY overrides fields."""
+    must hold thousands of them to keep HBM busy; a layer with one K/V head (12B's full layers)
+    may take 1024 partitions (min_groups; 12B at 128K, session 11). Metal (not measured):
+    partitions of at least 256 slots, about 128 threadgroups. GEMMA4_MLX_ATTENTION_GEOMETRY overrides fields."""
     which = which or backend()
     budget = 16 * 1024 if which == "metal" else 32 * 1024
     rows = max(1, min(32, budget // (4 * head_dim)))
     if which == "metal":
         cfg = AttentionConfig(rows=rows, simd_groups=4, tile=32, min_chunk=256, target_groups=128)
     else:
-        cfg = AttentionConfig(rows=rows, simd_groups=4, tile=32, min_chunk=32, target_groups=4096, max_parts=512)
+        cfg = AttentionConfig(rows=rows, simd_groups=4, tile=32, min_chunk=32, target_groups=4096, max_parts=512,
+                              min_groups=1024)
     return geometry_override(cfg, GEOMETRY_ENV)
 
 
@@ -608,7 +614,9 @@ def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: i
         raise ValueError(f"{shared} bytes of threadgroup memory exceed {which}'s {_SHARED_LIMIT[which]}")
     template = common + [("QT", qt), ("TS", cfg.tile), ("NSG", cfg.simd_groups), ("CMIN", cfg.min_chunk)]
     # partitions: enough to reach target_groups threadgroups, within [1, slots / min_chunk], <= max_parts
-    parts = max(1, min(-(-slots // cfg.min_chunk), -(-cfg.target_groups // (bh * zs)), cfg.max_parts))
+    # (lifted so that the grid keeps min_groups threadgroups)
+    cap = max(cfg.max_parts, -(-cfg.min_groups // (bh * zs)))
+    parts = max(1, min(-(-slots // cfg.min_chunk), -(-cfg.target_groups // (bh * zs)), cap))
     return DecodePlan(
         partial_template=template,
         partial_grid=(nt * bh, parts, zs),

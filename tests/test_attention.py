@@ -301,7 +301,8 @@ def test_plans_for_gemma4_shapes(which):
                 qt = dict(plan.partial_template)["QT"]
                 assert plan.shared_bytes <= {"cuda": 48 * 1024, "metal": 32 * 1024}[which]
                 assert qt * plan.partial_grid[2] >= G * M and plan.partial_grid[0] == 128 * n_kv
-                assert 1 <= plan.parts <= min(-(-S // cfg.min_chunk), cfg.max_parts)
+                cap = max(cfg.max_parts, -(-cfg.min_groups // n_kv))
+                assert 1 <= plan.parts <= min(-(-S // cfg.min_chunk), cap)
                 assert plan.merge_grid[0] == D // 4 * n_kv * G * M
     assert at.plan_decode(1, 32, 4, 1, 262144, 512, "bfloat16", "bfloat16", None, None, "cuda").parts == 512
 
@@ -317,6 +318,22 @@ def test_cuda_partitions_fill_the_gpu_and_stay_bounded():
     assert at.partition_layout(32800, 512, 32, 32) == (96, 342)
     with pytest.raises(ValueError, match="max_parts"):
         at.AttentionConfig(max_parts=0)
+    with pytest.raises(ValueError, match="min_groups"):
+        at.AttentionConfig(min_groups=-1)
+
+
+def test_cuda_one_kv_head_keeps_min_groups():
+    """12B's full layers (16 query heads on one K/V head, D 512): max_parts is lifted to 1024
+    partitions so the grid keeps 1024 threadgroups at long contexts; short caches and layers with
+    more K/V heads (31B: 4, E4B / 26B-A4B: 2) plan as before; batch 2 halves the partitions."""
+    def parts(batch, n_q, n_kv, slots):
+        return at.plan_decode(batch, n_q, n_kv, 1, slots, 512, "bfloat16", "bfloat16", None, None, "cuda").parts
+
+    assert [parts(1, 16, 1, s) for s in (4096, 16384, 32768, 131072)] == [128, 512, 1024, 1024]
+    assert parts(2, 16, 1, 131072) == 512 and parts(1, 32, 4, 131072) == 512 and parts(1, 8, 2, 131072) == 512
+    assert at.plan_decode(1, 16, 1, 1, 131072, 512, "bfloat16", "bfloat16", None,
+                          at.AttentionConfig(**{**at.default_config(512, "cuda").__dict__, "min_groups": 0}),
+                          "cuda").parts == 512  # fmt: skip
 
 
 def test_partials_oracle_merges_to_attention():

@@ -119,10 +119,12 @@ def test_geometries(config):
 
 
 def test_long_context_partitions():
-    """Capacity 65536 (a full layer, 12B shape: max_parts partitions): valid lengths from one partition to
-    all of them, one cache, the positions array and n_slots changing as in decode."""
+    """Capacity 65536 (a full layer, 12B shape: 1024 partitions, max_parts lifted by min_groups):
+    valid lengths from one partition to all of them, one cache, the positions array and n_slots
+    changing as in decode."""
     rng = np.random.default_rng(21)
     S, D = 65536, 512
+    assert at.plan_decode(1, 16, 1, 1, S, D, "bfloat16", "bfloat16", None).parts == 1024
     pos_full = np.arange(S, dtype=np.int32)
     (q, k, v, _, qp), _, _ = _problem(rng, 1, 16, 1, 1, D, pos_full, [S - 1], None, mx.bfloat16)
     q64, k64, v64 = (np.array(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))

@@ -44,10 +44,11 @@ def test_families_known_and_checked(monkeypatch):
     monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
     monkeypatch.delenv(custom_kernels.KERNELS_ENV, raising=False)
     monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
-    assert custom_kernels.use_kernel("router") and not custom_kernels.use_kernel("norm_rope")
+    assert custom_kernels.use_kernel("router") and not custom_kernels.use_kernel("norm_moe")
     assert custom_kernels.use_kernel("norm") and custom_kernels.use_kernel("gate_up_split")
+    assert custom_kernels.use_kernel("norm_rope")
     monkeypatch.setattr(custom_kernels, "backend", lambda: "metal")  # CUDA_ONLY families: opt-in there
     assert custom_kernels.use_kernel("router") and not custom_kernels.use_kernel("norm")
-    assert not custom_kernels.use_kernel("gate_up_split")
+    assert not custom_kernels.use_kernel("gate_up_split") and not custom_kernels.use_kernel("norm_rope")
     monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "norm, norm_rope")
     assert custom_kernels.use_kernel("norm") and custom_kernels.use_kernel("norm_rope")
