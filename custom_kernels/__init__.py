@@ -23,11 +23,15 @@ from typing import Callable
 import mlx.core as mx
 
 __all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "mlx_kernel_name", "clear_kernel_cache",
-           "KernelSource", "MX_DTYPES", "dtype_name", "template_args", "KERNELS_ENV", "UNPROVEN_ENV",
+           "KernelSource", "MX_DTYPES", "dtype_name", "template_args", "KERNELS_ENV", "KERNELS_OFF_ENV", "UNPROVEN_ENV",
            "PROVEN", "CUDA_ONLY", "FAMILIES", "geometry_override", "geometry_fields", "replace_geometry"]
 
 KERNELS_ENV = "GEMMA4_MLX_KERNELS"
 """Environment variable: ``reference`` forces the pure-MLX references even on a GPU build."""
+
+KERNELS_OFF_ENV = "GEMMA4_MLX_KERNELS_OFF"
+"""Comma-separated op families to keep on their MLX reference path even when on by default (A/B
+measurements of one family against the rest, or a workaround); it wins over UNPROVEN_ENV."""
 
 UNPROVEN_ENV = "GEMMA4_MLX_UNPROVEN_KERNELS"
 """Comma-separated op families the model uses only when named here: families not on by default,
@@ -107,16 +111,26 @@ def use_reference() -> bool:
     return mode == "reference" or backend() == "cpu"
 
 
+def _families_named(env: str) -> set[str]:
+    """The op families environment variable ``env`` lists (comma-separated); ValueError for a name
+    that is not a family, so a typo cannot silently leave a kernel on or off."""
+    named = {f.strip() for f in os.environ.get(env, "").split(",") if f.strip()}
+    unknown = named - FAMILIES
+    if unknown:
+        raise ValueError(f"{env}: unknown kernel families {sorted(unknown)}; known: {', '.join(sorted(FAMILIES))}")
+    return named
+
+
 def use_kernel(family: str) -> bool:
     """True when the model should call op family ``family``'s custom kernel: a GPU build, no
-    ``GEMMA4_MLX_KERNELS=reference``, and the family proven on hardware (or opted into through
-    ``GEMMA4_MLX_UNPROVEN_KERNELS``). A kernel becomes a default only after it climbs the
-    correctness ladder (design.md), including ``pytest -m gpu``."""
+    ``GEMMA4_MLX_KERNELS=reference``, the family not named in ``GEMMA4_MLX_KERNELS_OFF``, and
+    proven on hardware (or opted into through ``GEMMA4_MLX_UNPROVEN_KERNELS``). A kernel becomes
+    a default only after it climbs the correctness ladder (design.md), including ``pytest -m gpu``."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(sorted(FAMILIES))}")
-    if use_reference():
+    off, opted = _families_named(KERNELS_OFF_ENV), _families_named(UNPROVEN_ENV)
+    if use_reference() or family in off:
         return False
-    opted = {f.strip() for f in os.environ.get(UNPROVEN_ENV, "").split(",") if f.strip()}
     if family in opted:
         return True
     return family in PROVEN and (family not in CUDA_ONLY or backend() == "cuda")

@@ -52,3 +52,23 @@ def test_families_known_and_checked(monkeypatch):
     assert not custom_kernels.use_kernel("gate_up_split") and not custom_kernels.use_kernel("norm_rope")
     monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "norm, norm_rope")
     assert custom_kernels.use_kernel("norm") and custom_kernels.use_kernel("norm_rope")
+
+
+def test_families_turned_off_and_misspelt(monkeypatch):
+    """GEMMA4_MLX_KERNELS_OFF keeps the families it names off, default or opted in, and leaves the
+    others alone; a misspelt family in either variable is an error, not a silent no-op."""
+    import pytest
+
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    monkeypatch.delenv(custom_kernels.KERNELS_ENV, raising=False)
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "norm_rope, router_proj")
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "router_proj,norm_moe")
+    assert not custom_kernels.use_kernel("norm_rope") and not custom_kernels.use_kernel("router_proj")
+    assert custom_kernels.use_kernel("norm") and custom_kernels.use_kernel("norm_moe")
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "norm-rope")
+    with pytest.raises(ValueError, match="GEMMA4_MLX_KERNELS_OFF: unknown kernel families"):
+        custom_kernels.use_kernel("norm")
+    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV)
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "router-proj")
+    with pytest.raises(ValueError, match="GEMMA4_MLX_UNPROVEN_KERNELS: unknown kernel families"):
+        custom_kernels.use_kernel("norm")

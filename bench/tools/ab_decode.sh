@@ -5,7 +5,7 @@
 #   SETTING = label[@tree]=[VAR=VALUE ...]   (tree: another checkout of the package, e.g. an old
 #             commit's `git archive` carried along; default: this one)
 # e.g. bash bench/tools/ab_decode.sh $OUT 2 E4B,26B-A4B 4096 default= \
-#        nr=GEMMA4_MLX_UNPROVEN_KERNELS=norm_rope old@.oldtree=
+#        no_nr=GEMMA4_MLX_KERNELS_OFF=norm_rope rp=GEMMA4_MLX_UNPROVEN_KERNELS=router_proj old@.oldtree=
 # Each process: bench/decode.py --no-mlx-lm --breakdown-contexts "" --rounds 3, JSON to
 # OUT_DIR/ab-<label>-<round>.json (AB_ARGS: more decode.py arguments, e.g. --quick on a CPU); the
 # tokens/s rows are printed as they come.
