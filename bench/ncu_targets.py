@@ -8,9 +8,12 @@ filters on kernel names sees exactly one launch per target and no warm-up noise:
 
 Targets (--targets, comma-separated; default all): fma (Q4_0 dense M = 1 on the FFN gate shape at
 the dispatch geometry), fma_in_place (the same with the in-place decode), gate_up
-(the fused gate|up stream kernel at M = 1, the step's FFN input projection), head (Q8_0 tied head),
-probe (bench/kernels.read_probe in its 99.5% order over the gate's bytes), attn_sliding / attn_full
-(decode attention partial + merge at a 4K context).
+(the fused gate|up stream kernel at M = 1), gate_up_split (the step's dense gate|up since session 8:
+the split-K gate/up kernel at its default geometry), head (Q8_0 tied head), probe
+(bench/kernels.read_probe in its 99.5% order over the gate's bytes), attn_sliding / attn_full
+(decode attention partial + merge at a 4K context); at E4B's short rows (K = 2560, where every
+matvec is slower per byte: bench/NOTES.md session 11): gate_up_split_e4b (20480 x 2560) and
+down_e4b (2560 x 10240, the same kernel family at long rows, for comparison).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from custom_kernels import attention as at  # noqa: E402
 from custom_kernels import quant_matvec as qm  # noqa: E402
 
 HIDDEN, FFN, VOCAB = 5376, 21504, 262144  # 31B
+E4B_HIDDEN, E4B_FFN = 2560, 10240
 
 
 def _blocks(ggml_type: int, shape: tuple[int, ...], k: int) -> mx.array:
@@ -51,6 +55,16 @@ def _fma_in_place(x):
 def _gate_up(x):
     w = _blocks(qm.Q4_0, (1, 2 * FFN), HIDDEN)
     return qm.launch_gate_up_stream(x, mx.zeros((1, 1), mx.int32), w, FFN)
+
+
+def _gate_up_split(x, ffn=FFN):
+    w = _blocks(qm.Q4_0, (1, 2 * ffn), x.shape[-1])
+    return qm.launch_gate_up(x, mx.zeros((1, 1), mx.int32), w, qm.Q4_0, ffn, qm.gate_up_split_config(),
+                             out_shape=(1, ffn))  # fmt: skip
+
+
+def _down_e4b(x):
+    return qm.launch_dense(x, _blocks(qm.Q4_0, (E4B_HIDDEN,), E4B_FFN), qm.Q4_0, E4B_HIDDEN)
 
 
 def _head(x):
@@ -73,8 +87,10 @@ def _attention(kind: str):
     return run
 
 
-TARGETS = {"fma": _fma, "fma_in_place": _fma_in_place, "gate_up": _gate_up, "head": _head,
-           "probe": _probe, "attn_sliding": _attention("sliding"), "attn_full": _attention("full")}  # fmt: skip
+TARGETS = {"fma": _fma, "fma_in_place": _fma_in_place, "gate_up": _gate_up, "gate_up_split": _gate_up_split,
+           "head": _head, "probe": _probe, "attn_sliding": _attention("sliding"), "attn_full": _attention("full"),
+           "gate_up_split_e4b": lambda x: _gate_up_split(x, E4B_FFN), "down_e4b": _down_e4b}  # fmt: skip
+WIDTH = {"gate_up_split_e4b": E4B_HIDDEN, "down_e4b": E4B_FFN}  # x width of a target (default HIDDEN)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in TARGETS]
     if unknown:
         raise SystemExit(f"unknown targets {unknown}; choose from {', '.join(TARGETS)}")
-    x = mx.array(np.random.default_rng(0).standard_normal((1, HIDDEN)).astype(np.float32)).astype(mx.bfloat16)
-    mx.eval(x)
+    rng = np.random.default_rng(0)
     for name in names:
+        x = mx.array(rng.standard_normal((1, WIDTH.get(name, HIDDEN))).astype(np.float32)).astype(mx.bfloat16)
         out = TARGETS[name](x)
         mx.eval(out)
         print(f"{name}: {out.shape} {out.dtype}", flush=True)

@@ -6,27 +6,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-
-
-@pytest.fixture
-def graph_count(monkeypatch):
-    import graph_count as gc
-
-    import custom_kernels
-    from custom_kernels import attention, quant_matvec, sampling
-
-    for module in (custom_kernels, quant_matvec, attention, sampling):  # undone after the test
-        if hasattr(module, "backend"):
-            monkeypatch.setattr(module, "backend", module.backend)
-    for name in ("cuda_kernel", "rms_norm", "rope"):
-        monkeypatch.setattr(mx.fast, name, getattr(mx.fast, name))
-    yield gc
-    custom_kernels.clear_kernel_cache()
 
 
 def test_counts_the_gpu_paths_primitives(graph_count):
