@@ -15,6 +15,7 @@ once in the shared dialect (``custom_kernels.dialect``), and one dispatch functi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 from dataclasses import dataclass
@@ -111,10 +112,15 @@ def use_reference() -> bool:
     return mode == "reference" or backend() == "cpu"
 
 
-def _families_named(env: str) -> set[str]:
+def _families_named(env: str) -> frozenset[str]:
     """The op families environment variable ``env`` lists (comma-separated); ValueError for a name
     that is not a family, so a typo cannot silently leave a kernel on or off."""
-    named = {f.strip() for f in os.environ.get(env, "").split(",") if f.strip()}
+    return _parse_families(env, os.environ.get(env, ""))
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_families(env: str, text: str) -> frozenset[str]:
+    named = frozenset(f.strip() for f in text.split(",") if f.strip())
     unknown = named - FAMILIES
     if unknown:
         raise ValueError(f"{env}: unknown kernel families {sorted(unknown)}; known: {', '.join(sorted(FAMILIES))}")

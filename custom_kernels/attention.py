@@ -511,8 +511,10 @@ class AttentionConfig:
     """Geometry: ``rows`` query rows per threadgroup at most (QT), ``simd_groups`` (NSG),
     ``tile`` slots per tile (TS), ``min_chunk`` slots per partition at least (CMIN),
     ``target_groups`` threadgroups to aim for at full length when choosing the partition count,
-    ``max_parts`` partitions at most (long caches then get longer partitions), except that a
-    layer keeps ``min_groups`` threadgroups when its cache is long enough (few K/V heads)."""
+    ``max_parts`` partitions at most (long caches then get longer partitions), and
+    ``min_groups``, which lifts that cap so a layer with few K/V heads still gets that many
+    threadgroups when its cache is long enough and ``target_groups`` is at least as large (so a
+    strict ``max_parts`` needs ``min_groups=0`` too)."""
 
     rows: int = 16
     simd_groups: int = 4

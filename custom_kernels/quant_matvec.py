@@ -61,7 +61,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import (KernelSource, backend, dtype_name, geometry_fields, geometry_override, get_kernel, replace_geometry,
-               template_args, use_kernel, use_reference)
+               template_args, use_kernel)
 from .dialect import emit, prelude
 
 __all__ = [
@@ -1536,7 +1536,7 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     _check_dense(x, blocks, ggml_type, n)
     lead = x.shape[:-1]
     m = math.prod(lead)
-    if use_reference() or not 1 <= m <= MAX_ROWS:
+    if not use_kernel("quant_matvec") or not 1 <= m <= MAX_ROWS:
         return matvec_reference(x, blocks, ggml_type, n)
     # every dense kernel reads K from x's last dimension and writes its rows flat: x goes in
     # unreshaped and the output comes out in the caller's shape (no reshape nodes)
@@ -1564,7 +1564,7 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
         raise ValueError(f"gate_up: Q4_0 or Q8_0 blocks only, got GGML type {ggml_type}")
     lead = x.shape[:-1]
     m = math.prod(lead)
-    if use_reference() or not 1 <= m <= MAX_ROWS:
+    if not use_kernel("quant_matvec") or not 1 <= m <= MAX_ROWS:
         return gate_up_reference(x, blocks, ggml_type, f)
     if m > 1:
         gu = quant_matvec(x, blocks, ggml_type, 2 * f).astype(mx.float32)
@@ -1606,7 +1606,7 @@ def q6_k_matvec(x: mx.array, blocks: mx.array, n: int) -> mx.array:
 
 def _gather(x, ids, blocks, ggml_type, n):
     _check_gather(x, ids, blocks, ggml_type, n)
-    if use_reference() or not 1 <= _pairs(x, ids)[0] <= MAX_ROWS:
+    if not use_kernel("quant_matvec") or not 1 <= _pairs(x, ids)[0] <= MAX_ROWS:
         return matvec_gather_reference(x, ids, blocks, ggml_type, n)
     if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1]):
         return launch_gather_stream(x, ids, blocks, n)
@@ -1626,7 +1626,7 @@ def q8_0_matvec_gather(x: mx.array, ids: mx.array, blocks: mx.array, n: int) -> 
 def _gate_up(x, ids, blocks, ggml_type, f):
     _check_gather(x, ids, blocks, ggml_type, 2 * f)
     _check_gate_up(x, ids)
-    if use_reference() or not 1 <= _pairs(x, ids)[0] <= MAX_ROWS:
+    if not use_kernel("quant_matvec") or not 1 <= _pairs(x, ids)[0] <= MAX_ROWS:
         return gate_up_gather_reference(x, ids, blocks, ggml_type, f)
     if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1]):
         return launch_gate_up_stream(x, ids, blocks, f)
@@ -1647,7 +1647,7 @@ def q8_0_gate_up_gather(x: mx.array, ids: mx.array, blocks: mx.array, f: int) ->
 def _moe_down(x, ids, weights, blocks, ggml_type, n):
     _check_gather(x, ids, blocks, ggml_type, n)
     _check_moe_down(x, ids, weights)
-    if use_reference() or not 1 <= _pairs(x, ids)[0] <= MAX_ROWS:
+    if not use_kernel("quant_matvec") or not 1 <= _pairs(x, ids)[0] <= MAX_ROWS:
         return moe_down_reference(x, ids, weights, blocks, ggml_type, n)
     if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1]):
         return launch_down_sum_stream(x, ids, weights, blocks, n)

@@ -1,14 +1,23 @@
-"""Shared pytest setup: the tiny Gemma 4 fixture checkpoints of tests/fixtures.py."""
+"""Shared pytest setup: the tiny Gemma 4 fixture checkpoints of tests/fixtures.py, no
+GEMMA4_MLX_KERNELS_OFF, and bench/graph_count.py as a fixture."""
 
-import gemma4_mlx  # noqa: F401  first: puts a fast BLAS under MLX before anything imports mlx.core
+import gemma4_mlx  # noqa: F401,I001  first: puts a fast BLAS under MLX before anything imports mlx.core
 
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from custom_kernels import KERNELS_OFF_ENV
 from fixtures import *  # noqa: F401,F403  (session fixtures: dense_fixture, moe_fixture, eseries_fixture, ...)
 
 
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
+def pytest_configure(config):
+    """Tests choose kernel families themselves: a GEMMA4_MLX_KERNELS_OFF in the caller's shell would
+    silently move a `pytest -m gpu` run (the one gpu_tested.json pins) off the kernels it tests,
+    including the session fixtures' weight format, so it is dropped before anything is built."""
+    os.environ.pop(KERNELS_OFF_ENV, None)
 
 
 @pytest.fixture
@@ -17,7 +26,9 @@ def graph_count(monkeypatch):
     after the test."""
     import mlx.core as mx
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
     import graph_count as gc
 
     import custom_kernels

@@ -325,12 +325,15 @@ def test_cuda_partitions_fill_the_gpu_and_stay_bounded():
 def test_cuda_one_kv_head_keeps_min_groups():
     """12B's full layers (16 query heads on one K/V head, D 512): max_parts is lifted to 1024
     partitions so the grid keeps 1024 threadgroups at long contexts; short caches and layers with
-    more K/V heads (31B: 4, E4B / 26B-A4B: 2) plan as before; batch 2 halves the partitions."""
+    more K/V heads (31B: 4, E4B / 26B-A4B: 2) plan as before; batch 2 or two query tiles (M = 2)
+    halve the partitions."""
     def parts(batch, n_q, n_kv, slots):
         return at.plan_decode(batch, n_q, n_kv, 1, slots, 512, "bfloat16", "bfloat16", None, None, "cuda").parts
 
     assert [parts(1, 16, 1, s) for s in (4096, 16384, 32768, 131072)] == [128, 512, 1024, 1024]
     assert parts(2, 16, 1, 131072) == 512 and parts(1, 32, 4, 131072) == 512 and parts(1, 8, 2, 131072) == 512
+    two_rows = at.plan_decode(1, 16, 1, 2, 131072, 512, "bfloat16", "bfloat16", None, None, "cuda")
+    assert two_rows.parts == 512 and two_rows.parts * two_rows.partial_grid[2] == 1024  # 2 query tiles
     assert at.plan_decode(1, 16, 1, 1, 131072, 512, "bfloat16", "bfloat16", None,
                           at.AttentionConfig(**{**at.default_config(512, "cuda").__dict__, "min_groups": 0}),
                           "cuda").parts == 512  # fmt: skip

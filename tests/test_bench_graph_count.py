@@ -125,3 +125,22 @@ def test_router_proj_replaces_the_matmul_nodes(graph_count, monkeypatch):
     assert base["Matmul"] == layers and "Matmul" not in fused and "Transpose" not in fused
     assert fused["CustomKernel"] - base["CustomKernel"] == layers
     assert sum(base.values()) - sum(fused.values()) == 3 * layers
+
+
+def test_kernels_off_moves_a_default_family_off(graph_count, monkeypatch):
+    """GEMMA4_MLX_KERNELS_OFF reaches the ops of models built from raw blocks too: with
+    quant_matvec off, a layer's matvecs (q|k|v, o, gate|up, down) run MLX's reference instead of
+    kernels; with norm_rope off, the q/k/v norms and RoPE are MLX ops again."""
+    import decode
+
+    import custom_kernels
+
+    cfg = decode._tiny(**_KERNEL_SHAPES)
+    layers = cfg.num_hidden_layers
+    base = graph_count.step_counts(cfg, 40)["body"]
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "quant_matvec")
+    off = graph_count.step_counts(cfg, 40)["body"]
+    assert base["CustomKernel"] - off["CustomKernel"] >= 4 * layers
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "norm_rope")
+    no_nr = graph_count.step_counts(cfg, 40)["body"]
+    assert base["CustomKernel"] - no_nr["CustomKernel"] == layers and no_nr["RoPE"] == 2 * layers
