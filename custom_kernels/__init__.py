@@ -47,8 +47,9 @@ session 6); "router" passed its operator and module tests in session 7 (111 test
 (a dense MLP's one-token gate|up through the split-K gate/up kernel, CUDA only) its operator and
 model tests in session 8 (the whole `pytest -m gpu` ran at the commit before it: 163 passed); "norm"
 (the residual add between two RMS norms in one launch) its operator and model tests in session 9;
-"norm_rope" (q/k/v norms and RoPE in one launch) passed them in session 7 and became a CUDA default in
-session 11 on its measured gain (E4B +12% at 4K in alternated processes). The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
+"norm_rope" (q/k/v norms and RoPE in one launch) passed them in session 7 and became a CUDA default
+in session 11 on its measured gain (E4B +12% at 4K in alternated processes). The exact texts that
+passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope"})
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""

@@ -552,7 +552,8 @@ def default_config(head_dim: int, which: str | None = None) -> AttentionConfig:
     at most 512 partitions, since each threadgroup walks its tiles one after another and the GPU
     must hold thousands of them to keep HBM busy; a layer with one K/V head (12B's full layers)
     may take 1024 partitions (min_groups; 12B at 128K, session 11). Metal (not measured):
-    partitions of at least 256 slots, about 128 threadgroups. GEMMA4_MLX_ATTENTION_GEOMETRY overrides fields."""
+    partitions of at least 256 slots, about 128 threadgroups. GEMMA4_MLX_ATTENTION_GEOMETRY
+    overrides fields."""
     which = which or backend()
     budget = 16 * 1024 if which == "metal" else 32 * 1024
     rows = max(1, min(32, budget // (4 * head_dim)))
