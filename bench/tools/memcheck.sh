@@ -17,8 +17,10 @@ if ! echo "$planted" | grep -q "Invalid __global__ write"; then
   echo "memcheck did not report the planted write: its results below would mean nothing"; exit 2
 fi
 status=0
-for f in tests/test_norm_gpu.py tests/test_kernels_gpu.py tests/test_attention_gpu.py tests/test_rope_gpu.py \
-         tests/test_router_gpu.py tests/test_sampling_kernels_gpu.py; do
+# First every registered kernel text at its small registry shapes (seconds; every text, CUDA-only ones
+# too), then the operator test files at their larger shapes (minutes each under memcheck).
+for f in tests/test_registry_cases_gpu.py tests/test_norm_gpu.py tests/test_kernels_gpu.py tests/test_attention_gpu.py \
+         tests/test_rope_gpu.py tests/test_router_gpu.py tests/test_sampling_kernels_gpu.py; do
   MLX_ENABLE_TF32=0 timeout "$limit" "$CS" --tool memcheck --print-limit 20 --error-exitcode 9 \
     python3 -m pytest -m gpu -p no:cacheprovider -p no:benchmark -q "$f" > /tmp/memcheck-one.txt 2>&1
   rc=$?
