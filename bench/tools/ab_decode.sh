@@ -8,7 +8,8 @@
 #        no_nr=GEMMA4_MLX_KERNELS_OFF=norm_rope rp=GEMMA4_MLX_UNPROVEN_KERNELS=router_proj old@.oldtree=
 # Each process: bench/decode.py --no-mlx-lm --breakdown-contexts "" --rounds 3, JSON to
 # OUT_DIR/ab-<label>-<round>.json (AB_ARGS: more decode.py arguments, e.g. --quick on a CPU); the
-# tokens/s rows are printed as they come.
+# tokens/s rows are printed as they come. Two files per process: on the lent GPU machine (at most 8
+# files come back from $OUT) tar OUT_DIR afterwards.
 set -u
 out=$1 rounds=$2 models=$3 contexts=$4
 shift 4
