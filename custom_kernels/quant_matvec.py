@@ -1284,7 +1284,8 @@ _STREAM_SETUP = {
   const int token = (int)blockIdx.y;
 """,
 }
-_STREAM_SETUP["gate_up"] = _STREAM_SETUP["gather"].replace("XPP ? pair : pair / ids_shape[ids_ndim - 1]", "pair / ids_shape[ids_ndim - 1]")
+_STREAM_SETUP["gate_up"] = _STREAM_SETUP["gather"].replace("XPP ? pair : pair / ids_shape[ids_ndim - 1]",
+                                                            "pair / ids_shape[ids_ndim - 1]")
 
 # down_sum: warp w takes slots w, w + NW, ... of its token; each slot's expert is a new pipeline
 _STREAM_SLOTS = {

@@ -20,10 +20,11 @@ does not depend on a backend's math library.
 On by default on GPUs since it passed ``pytest -m gpu`` on the H200 (session 7).
 
 The router's projection before it, ``router_logits(x, w)`` (x [..., H] @ w [E, H].T -> [..., E] in
-x's dtype, f32 sums), has its own kernel (op family "router_proj", opt-in until it passes
-``pytest -m gpu`` and shows a gain): MLX runs that bf16 GEMV as four graph nodes (flatten,
-transpose, matmul, unflatten) and a cuBLAS-free gemv that took 13.3 us for 128 x 2816 on the H200
-(26B-A4B, session 10); here one SIMD group per expert row reads x and its row in 4-element vectors.
+x's dtype, f32 sums), has its own kernel (op family "router_proj": passes ``pytest -m gpu`` on the
+H200 since session 11, opt-in because no gain was measured there): MLX runs that bf16 GEMV as four
+graph nodes (flatten, transpose, matmul, unflatten) and a cuBLAS-free gemv that took 13.3 us for
+128 x 2816 on the H200 (26B-A4B, session 10); here one SIMD group per expert row reads x and its row
+in 4-element vectors.
 """
 
 from __future__ import annotations
@@ -283,7 +284,5 @@ def kernel_specs():
     """KernelSpecs of the routing kernel (odd E, ties, k = E, k = 32) and the router projection."""
     from .registry import KernelSpec
 
-    return [KernelSpec(_ROUTE.name, _ROUTE.input_names, _ROUTE.output_names, *_ROUTE.text["metal"],
-                       *_ROUTE.text["cuda"], _cases),
-            KernelSpec(_LOGITS.name, _LOGITS.input_names, _LOGITS.output_names, *_LOGITS.text["metal"],
-                       *_LOGITS.text["cuda"], _logits_cases)]  # fmt: skip
+    return [KernelSpec(k.name, k.input_names, k.output_names, *k.text["metal"], *k.text["cuda"], cases)
+            for k, cases in ((_ROUTE, _cases), (_LOGITS, _logits_cases))]
