@@ -13,7 +13,9 @@ the split-K gate/up kernel at its default geometry), head (Q8_0 tied head), prob
 (bench/kernels.read_probe in its 99.5% order over the gate's bytes), attn_sliding / attn_full
 (decode attention partial + merge at a 4K context); at E4B's short rows (K = 2560, where every
 matvec is slower per byte: bench/NOTES.md session 11): gate_up_split_e4b (20480 x 2560) and
-down_e4b (2560 x 10240, the same kernel family at long rows, for comparison).
+down_e4b (2560 x 10240, the same kernel family at long rows, for comparison); gate_up_runs /
+gate_up_runs_e4b: the one-token runs kernel (144-byte loads per lane, tensor cores) on the same
+gate|up shapes.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ def _gate_up_split(x, ffn=FFN):
                              out_shape=(1, ffn))  # fmt: skip
 
 
+def _gate_up_runs(x, ffn=FFN):
+    return qm.launch_gate_up_runs(x, _blocks(qm.Q4_0, (2 * ffn,), x.shape[-1]), ffn)
+
+
 def _down_e4b(x):
     return qm.launch_dense(x, _blocks(qm.Q4_0, (E4B_HIDDEN,), E4B_FFN), qm.Q4_0, E4B_HIDDEN)
 
@@ -89,8 +95,9 @@ def _attention(kind: str):
 
 TARGETS = {"fma": _fma, "fma_in_place": _fma_in_place, "gate_up": _gate_up, "gate_up_split": _gate_up_split,
            "head": _head, "probe": _probe, "attn_sliding": _attention("sliding"), "attn_full": _attention("full"),
-           "gate_up_split_e4b": lambda x: _gate_up_split(x, E4B_FFN), "down_e4b": _down_e4b}  # fmt: skip
-WIDTH = {"gate_up_split_e4b": E4B_HIDDEN, "down_e4b": E4B_FFN}  # x width of a target (default HIDDEN)
+           "gate_up_split_e4b": lambda x: _gate_up_split(x, E4B_FFN), "down_e4b": _down_e4b,
+           "gate_up_runs": _gate_up_runs, "gate_up_runs_e4b": lambda x: _gate_up_runs(x, E4B_FFN)}  # fmt: skip
+WIDTH = {"gate_up_split_e4b": E4B_HIDDEN, "down_e4b": E4B_FFN, "gate_up_runs_e4b": E4B_HIDDEN}  # x width (default HIDDEN)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1525,6 +1525,221 @@ def launch_gate_up_stream(x: mx.array, ids: mx.array, blocks: mx.array, f: int,
 
 
 # --------------------------------------------------------------------------------------------
+# CUDA only: Q4_0 "runs" kernels for one token (tensor cores, 144-byte loads per lane)
+# --------------------------------------------------------------------------------------------
+# Why: at M = 1 the f32-FMA kernel reads its blocks with 2-byte loads, and Nsight Compute shows it
+# waiting on them: at E4B's gate|up (K = 2560) DRAM 15% busy, 0.7 eligible warps per scheduler,
+# 62% of stalls on L1TEX, 8.9 of 32 bytes used per sector (results/ncu-E4B-short-rows-2026-11-30.txt).
+# Here each lane owns runs of 8 blocks (256 weights, 144 bytes: 16-byte aligned when the row and
+# the base are) of one row and reads a run with nine 16-byte loads, so one warp has 4.6 KB in
+# flight per run. The 8 rows of a warp are the 8 columns n of mma.sync m16n8k16 (B = weights,
+# lane (g, t) holds row g), and its 4 lanes t of a row hold 4 different runs: k-columns
+# {2t, 2t+1, 2t+8, 2t+9} of every mma are 4 weights of lane t's current block. A (16 x 16) has x
+# in row m = t at those columns and zeros elsewhere, so D[m, n] is the unscaled dot of block
+# (run of group m) of row n; only the lanes g == t load x (bf16 pairs straight into A, no
+# conversion). After the block's 8 mmas (32 weights), each D[m, n] is scaled by its block's d (a
+# shuffle from the lane that read it) into f32 sums; lanes of a row add their groups at the end
+# (two xor shuffles, fixed order) and the NW warps of a threadgroup split the runs, added in warp
+# order. Nibble pairs become bf16x2 (128 + q) with one byte permute against 0x43 and one bf16x2
+# subtraction of 136 (exact q - 8): ~2 instructions per weight. K must be a multiple of 256;
+# a misaligned base falls back to 2-byte loads inside the kernel.
+
+_RUNS_HEADER_CUDA = r"""
+// bytes i0, i1 of v (low nibbles already masked) -> bf16x2 {q0 - 8, q1 - 8}, exact
+__device__ __forceinline__ uint32_t g4_q4_pair(uint32_t v, uint32_t sel) {
+  uint32_t p = __byte_perm(v, 0x43434343u, sel);  // {0x43 q0, 0x43 q1}: bf16 128 + q
+  const uint32_t c = 0x43084308u;                   // bf16x2 {136, 136}
+  __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&p), *reinterpret_cast<const __nv_bfloat162*>(&c));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+"""
+
+# Template: T (bfloat16), NW (warps per threadgroup, splitting the runs). @GU@: 0 dense (8 rows
+# per threadgroup), 1 gate|up (gate rows r..r+3 and up rows F+r..F+r+3 -> gelu_tanh(g) * u).
+_RUNS_BODY_CUDA = r"""
+  // gemma4-mlx q4_0 runs kernel (CUDA tensor cores, one token, 144-byte runs per lane)
+  constexpr int GU = @GU@;
+  const int K = x_shape[x_ndim - 1];  // x [..., K] holding one token
+  const int NR = wq_shape[0];         // weight rows
+  const int row_bytes = wq_shape[1];
+  const int N = GU ? NR / 2 : NR;     // output rows
+  const int C = K >> 8;               // runs of 8 blocks per row
+  const int lane = (int)(threadIdx.x & 31u);
+  const int warp = (int)(threadIdx.x >> 5);
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int out0 = (int)blockIdx.x * (GU ? 4 : 8);
+  const int wrow = GU ? (g < 4 ? out0 + g : N + out0 + g - 4) : out0 + g;
+  const bool row_ok = GU ? out0 + (g & 3) < N : wrow < NR;
+  const uint8_t* rowp = wq + (size_t)(row_ok ? wrow : 0) * row_bytes;
+  const bool w_aligned = (reinterpret_cast<uintptr_t>(wq) & 15u) == 0;
+  const bool x_aligned = (reinterpret_cast<uintptr_t>(x) & 15u) == 0;
+  const bool diag = g == t;  // the lanes holding x in A (row m = t)
+  const uint8_t* xb = reinterpret_cast<const uint8_t*>(x);
+  float acc0 = 0.0f, acc1 = 0.0f;  // rows 2t, 2t + 1 of group g's runs (lanes g < 4)
+  uint32_t xa[16];
+  _Pragma("unroll") for (int i = 0; i < 16; ++i) xa[i] = 0u;
+  for (int j = warp; 4 * j < C; j += NW) {
+    const int c = 4 * j + t;
+    const bool live = c < C;
+    const uint8_t* run = rowp + (size_t)(live ? c : C - 1) * 144;
+    uint32_t q[36];
+    if (w_aligned) {
+      _Pragma("unroll") for (int s = 0; s < 9; ++s) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(run) + s);
+        q[4 * s] = v.x; q[4 * s + 1] = v.y; q[4 * s + 2] = v.z; q[4 * s + 3] = v.w;
+      }
+    } else {
+      _Pragma("unroll") for (int i = 0; i < 36; ++i) q[i] = g4_u16(run + 4 * i) | (g4_u16(run + 4 * i + 2) << 16);
+    }
+    const uint8_t* xr = xb + (size_t)(live ? c : C - 1) * 512;  // x of the run: 256 bf16
+    _Pragma("unroll") for (int b = 0; b < 8; ++b) {
+      // block b of the run: 18 bytes at 18 b; even b: d in the low half of a word and qs at +2,
+      // odd b: d in the high half and qs word-aligned
+      const int w0 = (18 * b) >> 2;
+      uint32_t u[4];
+      uint32_t dbits;
+      if ((b & 1) == 0) {
+        dbits = q[w0] & 0xFFFFu;
+        _Pragma("unroll") for (int i = 0; i < 4; ++i) u[i] = __funnelshift_r(q[w0 + i], q[w0 + i + 1], 16);
+      } else {
+        dbits = q[w0] >> 16;
+        _Pragma("unroll") for (int i = 0; i < 4; ++i) u[i] = q[w0 + 1 + i];
+      }
+      const float d = live ? g4_half_bits(dbits) : 0.0f;
+      if (diag) {
+        const uint8_t* xp = xr + 64 * b;
+        if (x_aligned) {
+          _Pragma("unroll") for (int s = 0; s < 4; ++s) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(xp) + s);
+            xa[4 * s] = v.x; xa[4 * s + 1] = v.y; xa[4 * s + 2] = v.z; xa[4 * s + 3] = v.w;
+          }
+        } else {
+          _Pragma("unroll") for (int i = 0; i < 16; ++i) xa[i] = g4_u16(xp + 4 * i) | (g4_u16(xp + 4 * i + 2) << 16);
+        }
+      }
+      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      _Pragma("unroll") for (int i = 0; i < 4; ++i) {
+        const uint32_t lo = u[i] & 0x0F0F0F0Fu;         // weights 4i .. 4i+3 of the block
+        const uint32_t hi = (u[i] >> 4) & 0x0F0F0F0Fu;  // weights 16+4i .. 16+4i+3
+        g4_mma_bf16(part, xa[2 * i], 0u, xa[2 * i + 1], 0u, g4_q4_pair(lo, 0x4140u), g4_q4_pair(lo, 0x4342u));
+        g4_mma_bf16(part, xa[8 + 2 * i], 0u, xa[9 + 2 * i], 0u, g4_q4_pair(hi, 0x4140u), g4_q4_pair(hi, 0x4342u));
+      }
+      // part[0] = D[m = g][n = 2t], part[1] = D[g][2t + 1]: block of lane (row n, t = g)
+      const float d0 = __shfl_sync(0xFFFFFFFFu, d, 8 * t + g);
+      const float d1 = __shfl_sync(0xFFFFFFFFu, d, 8 * t + 4 + g);
+      acc0 += d0 * part[0];
+      acc1 += d1 * part[1];
+    }
+  }
+  acc0 += __shfl_xor_sync(0xFFFFFFFFu, acc0, 4);
+  acc1 += __shfl_xor_sync(0xFFFFFFFFu, acc1, 4);
+  acc0 += __shfl_xor_sync(0xFFFFFFFFu, acc0, 8);
+  acc1 += __shfl_xor_sync(0xFFFFFFFFu, acc1, 8);
+  __shared__ float rows_s[NW][8];
+  if (lane < 4) {
+    rows_s[warp][2 * lane] = acc0;
+    rows_s[warp][2 * lane + 1] = acc1;
+  }
+  __syncthreads();
+  if (warp == 0 && lane < (GU ? 4 : 8)) {
+    float s = rows_s[0][lane];
+    for (int w = 1; w < NW; ++w) s += rows_s[w][lane];
+    if (GU) {
+      float u = rows_s[0][lane + 4];
+      for (int w = 1; w < NW; ++w) u += rows_s[w][lane + 4];
+      if (out0 + lane < N) out[out0 + lane] = static_cast<T>(g4_gelu_tanh(s) * u);
+    } else if (out0 + lane < N) {
+      out[out0 + lane] = static_cast<T>(s);
+    }
+  }
+"""
+
+
+RUNS_GEOMETRY_ENV = "GEMMA4_MLX_RUNS_GEOMETRY"
+"""RunsConfig fields over default_runs_config's, e.g. "warps=2" (tuning)."""
+
+
+@dataclass(frozen=True)
+class RunsConfig:
+    """Geometry of the CUDA runs kernels: warps per threadgroup, which split a row set's runs."""
+
+    warps: int = 1
+
+    def __post_init__(self):
+        if self.warps not in (1, 2, 4, 8):
+            raise ValueError("warps must be 1, 2, 4 or 8")
+
+
+RUNS_TARGET_WARPS = 2048
+"""default_runs_config splits the runs over more warps while the grid has fewer warps than this."""
+
+
+def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
+    """One warp per row set, doubled (up to 8, and no more than a row's groups of 4 runs) while the
+    grid holds fewer than RUNS_TARGET_WARPS warps; GEMMA4_MLX_RUNS_GEOMETRY overrides it."""
+    sets = math.ceil(n / (4 if kind == "gate_up" else 8))
+    groups = math.ceil(k // 256 / 4)
+    warps = 1
+    while warps < 8 and 2 * warps <= groups and sets * warps < RUNS_TARGET_WARPS:
+        warps *= 2
+    return geometry_override(RunsConfig(warps), RUNS_GEOMETRY_ENV)
+
+
+def runs_supported(x_dtype: mx.Dtype, k: int) -> bool:
+    """True when the runs kernels take this input: bf16 activations, K a multiple of 256."""
+    return x_dtype == mx.bfloat16 and k > 0 and k % 256 == 0
+
+
+def _runs_def(kind: str) -> _KernelDef:
+    key = (Q4_0, "runs_" + kind)
+    if key not in _KERNEL_DEFS:
+        name = {"dense": "g4_q4_0_matvec_runs", "gate_up": "g4_q4_0_gate_up_runs"}[kind]
+        body = _RUNS_BODY_CUDA.replace("@GU@", "1" if kind == "gate_up" else "0")
+        header = prelude("cuda") + _MMA_HEADER_CUDA + _RUNS_HEADER_CUDA
+        _KERNEL_DEFS[key] = _KernelDef(name, kind, Q4_0, ("x", "wq"), ("out",), ("T", "NW"),
+                                       {"metal": ("", ""), "cuda": (header, body)})  # fmt: skip
+    return _KERNEL_DEFS[key]
+
+
+def plan_runs(kind: str, n: int, k: int, config: RunsConfig | None = None) -> LaunchPlan:
+    """Launch plan of a CUDA runs kernel for one token; ``n`` is N (dense) or F (gate_up)."""
+    if k % 256:
+        raise ValueError(f"runs kernels: K={k} is not a multiple of 256")
+    cfg = config or default_runs_config(kind, n, k)
+    threads = 32 * cfg.warps
+    sets = math.ceil(n / (4 if kind == "gate_up" else 8))
+    return LaunchPlan([("T", "bfloat16"), ("NW", cfg.warps)], (sets * threads, 1, 1), (threads, 1, 1), (1, n))
+
+
+def _use_runs(x_dtype: mx.Dtype, k: int) -> bool:
+    """Runs kernels for this one-token Q4_0 call? (opt-in family "quant_matvec_runs", CUDA only)"""
+    return backend() == "cuda" and runs_supported(x_dtype, k) and use_kernel("quant_matvec_runs")
+
+
+def launch_dense_runs(x: mx.array, blocks: mx.array, n: int, config: RunsConfig | None = None,
+                      init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+    """CUDA runs kernel, Q4_0: bf16 x [..., K] holding one token @ blocks [N, ...].T -> [1, N] (or
+    out_shape; CUDA builds only)."""
+    _need_bf16(x)
+    if math.prod(x.shape[:-1]) != 1:
+        raise ValueError(f"the runs kernels take one token, got x of shape {x.shape}")
+    return _run(_runs_def("dense"), [x, blocks], plan_runs("dense", n, x.shape[-1], config), x.dtype, init_value,
+                out_shape)  # fmt: skip
+
+
+def launch_gate_up_runs(x: mx.array, blocks: mx.array, f: int, config: RunsConfig | None = None,
+                        init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+    """CUDA runs kernel for a dense fused gate|up, Q4_0: bf16 x [..., K] holding one token, blocks
+    [2F, ...] (gate rows, then up rows) -> gelu_tanh(gate) * up [1, F] (or out_shape)."""
+    _need_bf16(x)
+    if math.prod(x.shape[:-1]) != 1:
+        raise ValueError(f"the runs kernels take one token, got x of shape {x.shape}")
+    return _run(_runs_def("gate_up"), [x, blocks], plan_runs("gate_up", f, x.shape[-1], config), x.dtype,
+                init_value, out_shape)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
 # Dispatch (public API)
 # --------------------------------------------------------------------------------------------
 
@@ -1542,6 +1757,8 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     # every dense kernel reads K from x's last dimension and writes its rows flat: x goes in
     # unreshaped and the output comes out in the caller's shape (no reshape nodes)
     out_shape = (*lead, n)
+    if ggml_type == Q4_0 and m == 1 and _use_runs(x.dtype, x.shape[-1]):
+        return launch_dense_runs(x, blocks, n, out_shape=out_shape)
     if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1], m):
         return launch_dense_stream(x, blocks, n, out_shape=out_shape)
     if ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
@@ -1570,6 +1787,8 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
     if m > 1:
         gu = quant_matvec(x, blocks, ggml_type, 2 * f).astype(mx.float32)
         return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
+    if ggml_type == Q4_0 and _use_runs(x.dtype, k):
+        return launch_gate_up_runs(x, blocks, f, out_shape=(*lead, f))
     experts = blocks[None] if one_expert is None else one_expert
     if use_kernel("gate_up_split"):  # CUDA_ONLY: Metal keeps the unsplit kernel unless opted in
         return launch_gate_up(x, _ONE_EXPERT, experts, ggml_type, f, gate_up_split_config(),
@@ -1915,6 +2134,44 @@ def _stream_cases(kind: str):
     return make
 
 
+def _runs_case(rng, kind, n, k, config):
+    """A bf16 one-token case of a runs kernel: dense N rows, or gate|up with F = n."""
+    if kind == "dense":
+        case = _mma_case(rng, 1, n, k, None)
+    else:
+        from .registry import KernelCase
+
+        x, x64, in_dt = _activations(rng, (1, k), "bfloat16")
+        wq = random_blocks(rng, Q4_0, (2 * n,), k)
+        w64 = dequantize_f64(wq, Q4_0)
+        full, mag = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+        g, u, sg, su = full[:, :n], full[:, n:], mag[:, :n], mag[:, n:]
+        expected = _gelu_tanh_f64(g) * u
+        scale = float(((np.abs(g) + sg) * (np.abs(u) + su)).max())
+        rtol, atol = _tolerances("bfloat16", scale)
+        case = KernelCase(inputs={"x": x, "wq": wq}, template=[], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                          output_shapes=[(1, n)], output_dtypes=["bfloat16"], expected=[expected], rtol=rtol,
+                          atol=atol, input_dtypes=in_dt, label="")  # fmt: skip
+    plan = plan_runs(kind, n, k, config)
+    return dataclasses.replace(case, template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
+                               label=f"{kind} N={n} K={k} {config}")
+
+
+def _runs_cases(kind: str):
+    """Odd row counts (a partial last row set), one run per row (three lanes of four idle), a
+    partial last group of runs (K = 2560, 5376), more warps than groups (idle warps)."""
+
+    def make(rng: np.random.Generator):
+        r = RunsConfig
+        if kind == "dense":
+            return [_runs_case(rng, kind, 37, 256, r(1)), _runs_case(rng, kind, 45, 2560, r(2)),
+                    _runs_case(rng, kind, 16, 5376, r(4)), _runs_case(rng, kind, 9, 768, r(8))]  # fmt: skip
+        return [_runs_case(rng, kind, 13, 512, r(1)), _runs_case(rng, kind, 6, 2560, r(2)),
+                _runs_case(rng, kind, 21, 1280, r(4))]  # fmt: skip
+
+    return make
+
+
 def kernel_specs():
     """KernelSpec of every kernel in this module, with small test cases (odd tails included)."""
     from .registry import KernelSpec
@@ -1925,6 +2182,10 @@ def kernel_specs():
         sdef = _stream_def(kind)
         specs.append(KernelSpec(sdef.name, sdef.input_names, sdef.output_names, "", "", *sdef.text["cuda"],
                                 _stream_cases(kind)))  # fmt: skip
+    for kind in ("dense", "gate_up"):  # CUDA only: no Metal text
+        rdef = _runs_def(kind)
+        specs.append(KernelSpec(rdef.name, rdef.input_names, rdef.output_names, "", "", *rdef.text["cuda"],
+                                _runs_cases(kind)))  # fmt: skip
     for ggml_type, kind in _ALL_KERNELS:
         kdef = _kernel_def(ggml_type, kind)
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]

@@ -356,3 +356,71 @@ def test_expert_ops_with_lead_dims(ggml_type, dtype):
         y = down(h, ids, wts, dn_stack, 512)
         y_flat = down(h_flat, ids.reshape(m, 4), wts.reshape(m, 4), dn_stack, 512)
         assert y.shape == (*lead, 512) and same(y.reshape(m, 512), y_flat)
+
+
+def _gelu_times(gu: np.ndarray, mag: np.ndarray, f: int) -> tuple[np.ndarray, np.ndarray]:
+    """gelu_tanh(gate) * up from [.., 2F] float64 products, and the error bound from |W| @ |x|."""
+    g, u = gu[..., :f], gu[..., f:]
+    want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
+    return want, (np.abs(g) + mag[..., :f]) * (np.abs(u) + mag[..., f:])
+
+
+def _misaligned(raw: np.ndarray, offset: int) -> mx.array:
+    """The same bytes as raw, as a row-contiguous view whose data starts `offset` bytes into a buffer."""
+    flat = mx.array(np.concatenate([np.zeros(offset, np.uint8), raw.reshape(-1)]))
+    return flat[offset:].reshape(raw.shape)
+
+
+@pytest.mark.parametrize("n,k", [(2048, 5376), (1003, 2560), (77, 21504), (40, 256)])
+def test_q4_0_runs_kernels(n, k):
+    """The one-token runs kernels (dense and gate|up) at every warp count, on aligned blocks and x,
+    on blocks and x that start 2 bytes past a 16-byte boundary (the 2-byte-load fallback), and
+    through the public ops with the family on."""
+    rng = np.random.default_rng(41)
+    raw = qm.random_blocks(rng, qm.Q4_0, (n,), k)
+    w64 = qm.dequantize_f64(raw, qm.Q4_0)
+    x, x64 = _acts(rng, (1, k), mx.bfloat16)
+    want, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+    f = n // 2
+    gu_want, gu_bound = _gelu_times(want, bound, f)
+    blocks = mx.array(raw)
+    x_off = mx.array(np.concatenate([[0.0], np.array(x.astype(mx.float32))[0]]).astype(np.float32)).astype(
+        mx.bfloat16)[1:][None]  # fmt: skip
+    assert mx.array_equal(x_off, x).item()
+    for warps in (1, 2, 4, 8):
+        cfg = qm.RunsConfig(warps)
+        for what, xx, bb in (("aligned", x, blocks), ("misaligned", x_off, _misaligned(raw, 2))):
+            out = qm.launch_dense_runs(xx, bb, n, cfg, init_value=NAN)
+            assert out.shape == (1, n) and out.dtype == mx.bfloat16
+            _check(out, want, bound, mx.bfloat16, f"runs dense {what} N={n} K={k} {cfg}")
+            gu = qm.launch_gate_up_runs(xx, bb, f, cfg, init_value=NAN)
+            assert gu.shape == (1, f)
+            _check(gu, gu_want, gu_bound, mx.bfloat16, f"runs gate_up {what} F={f} K={k} {cfg}")
+        # run to run: bit for bit
+        assert mx.array_equal(qm.launch_dense_runs(x, blocks, n, cfg), qm.launch_dense_runs(x, blocks, n, cfg)).item()
+
+
+def test_q4_0_runs_dispatch(monkeypatch):
+    """With family quant_matvec_runs on, one-token bf16 Q4_0 calls (dense, gate_up, x with lead
+    dims) go to the runs kernels and stay as accurate; K not a multiple of 256, f32 and M = 2 keep
+    their kernels."""
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "quant_matvec_runs")
+    launched = []
+    for name in ("launch_dense_runs", "launch_gate_up_runs"):
+        real = getattr(qm, name)
+        monkeypatch.setattr(qm, name, lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw))
+    rng = np.random.default_rng(43)
+    for k, runs in ((512, True), (1056, False)):
+        raw = qm.random_blocks(rng, qm.Q4_0, (300,), k)
+        w64 = qm.dequantize_f64(raw, qm.Q4_0)
+        for shape, dtype, expect in (((1, 1, k), mx.bfloat16, runs), ((1, k), mx.float32, False),
+                                     ((2, k), mx.bfloat16, False)):  # fmt: skip
+            launched.clear()
+            x, x64 = _acts(rng, shape, dtype)
+            out = qm.q4_0_matvec(x, mx.array(raw), 300)
+            assert out.shape == (*shape[:-1], 300)
+            _check(out, x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, dtype, f"dispatch {shape} {dtype}")
+            gu = qm.gate_up(x, mx.array(raw), qm.Q4_0, 150)
+            g_want, g_bound = _gelu_times(x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, 150)
+            _check(gu, g_want, g_bound, dtype, f"gate_up dispatch {shape} {dtype}")
+            assert launched == (["launch_dense_runs", "launch_gate_up_runs"] if expect else []), (shape, dtype, k)

@@ -175,6 +175,46 @@ def test_stream_plans_and_copy_width():
         qm.StreamConfig(2, 8, 4)  # 73 KiB of static shared memory
 
 
+def test_runs_plans_and_geometry(monkeypatch):
+    """Runs kernels: 8 dense rows (4 gate|up pairs) per threadgroup, warps doubled while the grid is
+    small and a row has runs for them, the environment override, and the inputs they refuse."""
+    cases = {("dense", 43008, 5376): 1, ("dense", 5376, 21504): 4, ("dense", 5376, 8192): 4,
+             ("gate_up", 10240, 2560): 1, ("dense", 2560, 10240): 8, ("dense", 40, 256): 1}  # fmt: skip
+    for (kind, n, k), warps in cases.items():
+        assert qm.default_runs_config(kind, n, k).warps == warps, (kind, n, k)
+        plan = qm.plan_runs(kind, n, k)
+        per_set = 4 if kind == "gate_up" else 8
+        assert plan.threadgroup == (32 * warps, 1, 1) and plan.output_shape == (1, n)
+        assert plan.grid[0] // plan.threadgroup[0] == -(-n // per_set)
+    assert qm.runs_supported(mx.bfloat16, 2560) and not qm.runs_supported(mx.bfloat16, 2592)
+    assert not qm.runs_supported(mx.float32, 2560)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        qm.plan_runs("dense", 10, 2592)
+    with pytest.raises(ValueError):
+        qm.RunsConfig(3)
+    monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "warps=2")
+    assert qm.plan_runs("dense", 43008, 5376).threadgroup == (64, 1, 1)
+    monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "warps=5")
+    with pytest.raises(ValueError, match=qm.RUNS_GEOMETRY_ENV):
+        qm.default_runs_config("dense", 10, 256)
+    x = mx.zeros((2, 256), mx.bfloat16)
+    with pytest.raises(ValueError, match="one token"):
+        qm.launch_dense_runs(x, mx.zeros((8, 144), mx.uint8), 8)
+    with pytest.raises(TypeError):
+        qm.launch_gate_up_runs(x[:1].astype(mx.float32), mx.zeros((8, 144), mx.uint8), 4)
+
+
+def test_runs_family_is_opt_in(monkeypatch):
+    """quant_matvec_runs is a known family, off unless named (not yet run on a GPU)."""
+    assert "quant_matvec_runs" in custom_kernels.FAMILIES and "quant_matvec_runs" not in custom_kernels.PROVEN
+    monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
+    monkeypatch.setattr(qm, "backend", lambda: "cuda")
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    assert not qm._use_runs(mx.bfloat16, 2560)
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "quant_matvec_runs")
+    assert qm._use_runs(mx.bfloat16, 2560) and not qm._use_runs(mx.bfloat16, 2592)
+
+
 def test_backend_and_reference_switch(monkeypatch):
     assert custom_kernels.backend() in ("metal", "cuda", "cpu")
     monkeypatch.setenv(custom_kernels.KERNELS_ENV, "reference")
@@ -348,6 +388,8 @@ def test_registry_lists_every_kernel_with_consistent_cases():
                 ids = mx.array(case.inputs["ids"])
                 ref = qm.moe_down_reference(xm.reshape(*ids.shape, -1), ids, mx.array(case.inputs["wts"]), wq,
                                             ggml_type, n)  # fmt: skip
+            elif spec.name == "g4_q4_0_gate_up_runs":  # a dense gate|up: no ids
+                ref = qm.gate_up_reference(xm, wq, ggml_type, n)
             elif "gate_up" in spec.name:
                 ref = qm.gate_up_gather_reference(xm, mx.array(case.inputs["ids"]), wq, ggml_type, n)
             elif "gather" in spec.name:

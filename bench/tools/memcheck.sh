@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck over the kernel-level GPU tests, on a CUDA machine with MLX's CUDA wheel.
-#   bash bench/tools/memcheck.sh [seconds per test file, default 240] > memcheck.txt
+#   bash bench/tools/memcheck.sh [seconds per test file, default 240] [test files ...] > memcheck.txt
 # First a planted out-of-bounds kernel, which memcheck must report; then each kernel test file in its
 # own process (no pytest-xdist, so every kernel runs in the process the tool instruments).
 # Limit: MLX's CUDA allocator rounds buffers up (powers of two below 16 KiB, whole 16 KiB pages
@@ -9,6 +9,7 @@
 # tests and the Metal emulator's bounds checks cover the small ones.
 CS=${COMPUTE_SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
 limit=${1:-240}
+shift $(( $# > 0 ? 1 : 0 ))
 here="$(cd "$(dirname "$0")" && pwd)"
 cd "$here/../.."  # the repository root: the test paths below are relative to it
 planted=$("$CS" --tool memcheck --print-limit 3 python3 "$here/planted_oob.py" 2>&1)
@@ -19,13 +20,16 @@ fi
 status=0
 # First every registered kernel text at its small registry shapes (seconds; every text, CUDA-only ones
 # too), then the operator test files at their larger shapes (minutes each under memcheck).
-for f in tests/test_registry_cases_gpu.py tests/test_norm_gpu.py tests/test_kernels_gpu.py tests/test_attention_gpu.py \
-         tests/test_rope_gpu.py tests/test_router_gpu.py tests/test_sampling_kernels_gpu.py; do
+files=("$@")
+[ ${#files[@]} -gt 0 ] || files=(tests/test_registry_cases_gpu.py tests/test_norm_gpu.py tests/test_kernels_gpu.py
+  tests/test_attention_gpu.py tests/test_rope_gpu.py tests/test_router_gpu.py tests/test_sampling_kernels_gpu.py)
+for f in "${files[@]}"; do
+  log=/tmp/memcheck-$(basename "$f" .py).txt
   MLX_ENABLE_TF32=0 timeout "$limit" "$CS" --tool memcheck --print-limit 20 --error-exitcode 9 \
-    python3 -m pytest -m gpu -p no:cacheprovider -p no:benchmark -q "$f" > /tmp/memcheck-one.txt 2>&1
+    python3 -m pytest -m gpu -p no:cacheprovider -p no:benchmark -q "$f" > "$log" 2>&1
   rc=$?
-  echo "$f: rc $rc; $(grep "ERROR SUMMARY" /tmp/memcheck-one.txt | tail -1); $(tail -1 /tmp/memcheck-one.txt)"
-  grep -E "^========= (Invalid|Program hit)" /tmp/memcheck-one.txt | sort | uniq -c | head -10
+  echo "$f: rc $rc; $(grep "ERROR SUMMARY" "$log" | tail -1); $(tail -1 "$log")"
+  grep -E "^========= (Invalid|Program hit)" "$log" | sort | uniq -c | head -10
   [ "$rc" = 0 ] || status=1
 done
 exit $status
