@@ -381,19 +381,20 @@ def test_q4_0_runs_kernels(n, k):
     w64 = qm.dequantize_f64(raw, qm.Q4_0)
     x, x64 = _acts(rng, (1, k), mx.bfloat16)
     want, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
-    f = n // 2
-    gu_want, gu_bound = _gelu_times(want, bound, f)
+    f = n // 2  # gate|up over the first 2F rows
+    gu_want, gu_bound = _gelu_times(want[:, : 2 * f], bound[:, : 2 * f], f)
     blocks = mx.array(raw)
     x_off = mx.array(np.concatenate([[0.0], np.array(x.astype(mx.float32))[0]]).astype(np.float32)).astype(
         mx.bfloat16)[1:][None]  # fmt: skip
     assert mx.array_equal(x_off, x).item()
     for warps in (1, 2, 4, 8):
         cfg = qm.RunsConfig(warps)
-        for what, xx, bb in (("aligned", x, blocks), ("misaligned", x_off, _misaligned(raw, 2))):
+        for what, xx, bb, bb2 in (("aligned", x, blocks, mx.array(raw[: 2 * f])),
+                                  ("misaligned", x_off, _misaligned(raw, 2), _misaligned(raw[: 2 * f], 2))):  # fmt: skip
             out = qm.launch_dense_runs(xx, bb, n, cfg, init_value=NAN)
             assert out.shape == (1, n) and out.dtype == mx.bfloat16
             _check(out, want, bound, mx.bfloat16, f"runs dense {what} N={n} K={k} {cfg}")
-            gu = qm.launch_gate_up_runs(xx, bb, f, cfg, init_value=NAN)
+            gu = qm.launch_gate_up_runs(xx, bb2, f, cfg, init_value=NAN)
             assert gu.shape == (1, f)
             _check(gu, gu_want, gu_bound, mx.bfloat16, f"runs gate_up {what} F={f} K={k} {cfg}")
         # run to run: bit for bit
