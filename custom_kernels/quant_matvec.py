@@ -1545,6 +1545,17 @@ def launch_gate_up_stream(x: mx.array, ids: mx.array, blocks: mx.array, f: int,
 # a misaligned base falls back to 2-byte loads inside the kernel.
 
 _RUNS_HEADER_CUDA = r"""
+// the 144 bytes of one run (8 blocks) into 36 words: 16-byte loads, or 2-byte loads off alignment
+__device__ __forceinline__ void g4_load_run(uint32_t (&q)[36], const uint8_t* run, bool aligned) {
+  if (aligned) {
+    _Pragma("unroll") for (int s = 0; s < 9; ++s) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(run) + s);
+      q[4 * s] = v.x; q[4 * s + 1] = v.y; q[4 * s + 2] = v.z; q[4 * s + 3] = v.w;
+    }
+  } else {
+    _Pragma("unroll") for (int i = 0; i < 36; ++i) q[i] = g4_u16(run + 4 * i) | (g4_u16(run + 4 * i + 2) << 16);
+  }
+}
 // bytes i0, i1 of v (low nibbles already masked) -> bf16x2 {q0 - 8, q1 - 8}, exact
 __device__ __forceinline__ uint32_t g4_q4_pair(uint32_t v, uint32_t sel) {
   uint32_t p = __byte_perm(v, 0x43434343u, sel);  // {0x43 q0, 0x43 q1}: bf16 128 + q
@@ -1554,8 +1565,9 @@ __device__ __forceinline__ uint32_t g4_q4_pair(uint32_t v, uint32_t sel) {
 }
 """
 
-# Template: T (bfloat16), NW (warps per threadgroup, splitting the runs). @GU@: 0 dense (8 rows
-# per threadgroup), 1 gate|up (gate rows r..r+3 and up rows F+r..F+r+3 -> gelu_tanh(g) * u).
+# Template: T (bfloat16), NW (warps per threadgroup, splitting the runs), PF (1: each lane loads its
+# next run while it computes on this one). @GU@: 0 dense (8 rows per threadgroup), 1 gate|up (gate
+# rows r..r+3 and up rows F+r..F+r+3 -> gelu_tanh(g) * u).
 _RUNS_BODY_CUDA = r"""
   // gemma4-mlx q4_0 runs kernel (CUDA tensor cores, one token, 144-byte runs per lane)
   constexpr int GU = @GU@;
@@ -1579,18 +1591,16 @@ _RUNS_BODY_CUDA = r"""
   float acc0 = 0.0f, acc1 = 0.0f;  // rows 2t, 2t + 1 of group g's runs (lanes g < 4)
   uint32_t xa[16];
   _Pragma("unroll") for (int i = 0; i < 16; ++i) xa[i] = 0u;
+  uint32_t q[36];
+  if (PF && 4 * warp < C) g4_load_run(q, rowp + (size_t)min(4 * warp + t, C - 1) * 144, w_aligned);
   for (int j = warp; 4 * j < C; j += NW) {
     const int c = 4 * j + t;
     const bool live = c < C;
-    const uint8_t* run = rowp + (size_t)(live ? c : C - 1) * 144;
-    uint32_t q[36];
-    if (w_aligned) {
-      _Pragma("unroll") for (int s = 0; s < 9; ++s) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(run) + s);
-        q[4 * s] = v.x; q[4 * s + 1] = v.y; q[4 * s + 2] = v.z; q[4 * s + 3] = v.w;
-      }
-    } else {
-      _Pragma("unroll") for (int i = 0; i < 36; ++i) q[i] = g4_u16(run + 4 * i) | (g4_u16(run + 4 * i + 2) << 16);
+    uint32_t qn[36];  // PF: the next run of this lane, loading while this one is used
+    if (!PF) {
+      g4_load_run(q, rowp + (size_t)min(c, C - 1) * 144, w_aligned);
+    } else if (4 * (j + NW) < C) {
+      g4_load_run(qn, rowp + (size_t)min(c + 4 * NW, C - 1) * 144, w_aligned);
     }
     const uint8_t* xr = xb + (size_t)(live ? c : C - 1) * 512;  // x of the run: 256 bf16
     _Pragma("unroll") for (int b = 0; b < 8; ++b) {
@@ -1631,6 +1641,9 @@ _RUNS_BODY_CUDA = r"""
       acc0 += d0 * part[0];
       acc1 += d1 * part[1];
     }
+    if (PF) {
+      _Pragma("unroll") for (int i = 0; i < 36; ++i) q[i] = qn[i];
+    }
   }
   acc0 += __shfl_xor_sync(0xFFFFFFFFu, acc0, 4);
   acc1 += __shfl_xor_sync(0xFFFFFFFFu, acc1, 4);
@@ -1662,14 +1675,21 @@ RUNS_GEOMETRY_ENV = "GEMMA4_MLX_RUNS_GEOMETRY"
 
 @dataclass(frozen=True)
 class RunsConfig:
-    """Geometry of the CUDA runs kernels: warps per threadgroup, which split a row set's runs."""
+    """Geometry of the CUDA runs kernels: warps per threadgroup, which split a row set's runs, and
+    prefetch = 1 to load each lane's next run while computing on the current one (36 registers)."""
 
     warps: int = 1
+    prefetch: int = 0
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8):
             raise ValueError("warps must be 1, 2, 4 or 8")
+        if self.prefetch not in (0, 1):
+            raise ValueError("prefetch must be 0 or 1")
 
+
+RUNS_PREFETCH = 0
+"""default_runs_config's prefetch."""
 
 RUNS_TARGET_WARPS = 2048
 """default_runs_config splits the runs over more warps while the grid has fewer warps than this."""
@@ -1683,7 +1703,7 @@ def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
     warps = 1
     while warps < 8 and 2 * warps <= groups and sets * warps < RUNS_TARGET_WARPS:
         warps *= 2
-    return geometry_override(RunsConfig(warps), RUNS_GEOMETRY_ENV)
+    return geometry_override(RunsConfig(warps, RUNS_PREFETCH), RUNS_GEOMETRY_ENV)
 
 
 def runs_supported(x_dtype: mx.Dtype, k: int) -> bool:
@@ -1697,7 +1717,7 @@ def _runs_def(kind: str) -> _KernelDef:
         name = {"dense": "g4_q4_0_matvec_runs", "gate_up": "g4_q4_0_gate_up_runs"}[kind]
         body = _RUNS_BODY_CUDA.replace("@GU@", "1" if kind == "gate_up" else "0")
         header = prelude("cuda") + _MMA_HEADER_CUDA + _RUNS_HEADER_CUDA
-        _KERNEL_DEFS[key] = _KernelDef(name, kind, Q4_0, ("x", "wq"), ("out",), ("T", "NW"),
+        _KERNEL_DEFS[key] = _KernelDef(name, kind, Q4_0, ("x", "wq"), ("out",), ("T", "NW", "PF"),
                                        {"metal": ("", ""), "cuda": (header, body)})  # fmt: skip
     return _KERNEL_DEFS[key]
 
@@ -1709,12 +1729,14 @@ def plan_runs(kind: str, n: int, k: int, config: RunsConfig | None = None) -> La
     cfg = config or default_runs_config(kind, n, k)
     threads = 32 * cfg.warps
     sets = math.ceil(n / (4 if kind == "gate_up" else 8))
-    return LaunchPlan([("T", "bfloat16"), ("NW", cfg.warps)], (sets * threads, 1, 1), (threads, 1, 1), (1, n))
+    template = [("T", "bfloat16"), ("NW", cfg.warps), ("PF", cfg.prefetch)]
+    return LaunchPlan(template, (sets * threads, 1, 1), (threads, 1, 1), (1, n))
 
 
-def _use_runs(x_dtype: mx.Dtype, k: int) -> bool:
-    """Runs kernels for this one-token Q4_0 call? (opt-in family "quant_matvec_runs", CUDA only)"""
-    return backend() == "cuda" and runs_supported(x_dtype, k) and use_kernel("quant_matvec_runs")
+def _use_runs(x_dtype: mx.Dtype, k: int, family: str) -> bool:
+    """A runs kernel for this one-token Q4_0 call? (opt-in families "quant_matvec_runs" for dense
+    rows and "gate_up_runs" for a dense MLP's gate|up; CUDA only)"""
+    return backend() == "cuda" and runs_supported(x_dtype, k) and use_kernel(family)
 
 
 def launch_dense_runs(x: mx.array, blocks: mx.array, n: int, config: RunsConfig | None = None,
@@ -1757,7 +1779,7 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     # every dense kernel reads K from x's last dimension and writes its rows flat: x goes in
     # unreshaped and the output comes out in the caller's shape (no reshape nodes)
     out_shape = (*lead, n)
-    if ggml_type == Q4_0 and m == 1 and _use_runs(x.dtype, x.shape[-1]):
+    if ggml_type == Q4_0 and m == 1 and _use_runs(x.dtype, x.shape[-1], "quant_matvec_runs"):
         return launch_dense_runs(x, blocks, n, out_shape=out_shape)
     if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1], m):
         return launch_dense_stream(x, blocks, n, out_shape=out_shape)
@@ -1787,7 +1809,7 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
     if m > 1:
         gu = quant_matvec(x, blocks, ggml_type, 2 * f).astype(mx.float32)
         return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
-    if ggml_type == Q4_0 and _use_runs(x.dtype, k):
+    if ggml_type == Q4_0 and _use_runs(x.dtype, k, "gate_up_runs"):
         return launch_gate_up_runs(x, blocks, f, out_shape=(*lead, f))
     experts = blocks[None] if one_expert is None else one_expert
     if use_kernel("gate_up_split"):  # CUDA_ONLY: Metal keeps the unsplit kernel unless opted in
@@ -2165,9 +2187,11 @@ def _runs_cases(kind: str):
         r = RunsConfig
         if kind == "dense":
             return [_runs_case(rng, kind, 37, 256, r(1)), _runs_case(rng, kind, 45, 2560, r(2)),
-                    _runs_case(rng, kind, 16, 5376, r(4)), _runs_case(rng, kind, 9, 768, r(8))]  # fmt: skip
+                    _runs_case(rng, kind, 16, 5376, r(4)), _runs_case(rng, kind, 9, 768, r(8)),
+                    _runs_case(rng, kind, 19, 5376, r(1, 1)), _runs_case(rng, kind, 24, 2816, r(2, 1))]  # fmt: skip
         return [_runs_case(rng, kind, 13, 512, r(1)), _runs_case(rng, kind, 6, 2560, r(2)),
-                _runs_case(rng, kind, 21, 1280, r(4))]  # fmt: skip
+                _runs_case(rng, kind, 21, 1280, r(4)), _runs_case(rng, kind, 11, 5376, r(1, 1)),
+                _runs_case(rng, kind, 5, 256, r(2, 1))]  # fmt: skip
 
     return make
 

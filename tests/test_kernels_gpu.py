@@ -373,7 +373,8 @@ def _misaligned(raw: np.ndarray, offset: int) -> mx.array:
 
 @pytest.mark.parametrize("n,k", [(2048, 5376), (1003, 2560), (77, 21504), (40, 256)])
 def test_q4_0_runs_kernels(n, k):
-    """The one-token runs kernels (dense and gate|up) at every warp count, on aligned blocks and x,
+    """The one-token runs kernels (dense and gate|up) at every warp count, with and without the
+    prefetch of the next run, on aligned blocks and x,
     on blocks and x that start 2 bytes past a 16-byte boundary (the 2-byte-load fallback), and
     through the public ops with the family on."""
     rng = np.random.default_rng(41)
@@ -387,8 +388,8 @@ def test_q4_0_runs_kernels(n, k):
     x_off = mx.array(np.concatenate([[0.0], np.array(x.astype(mx.float32))[0]]).astype(np.float32)).astype(
         mx.bfloat16)[1:][None]  # fmt: skip
     assert mx.array_equal(x_off, x).item()
-    for warps in (1, 2, 4, 8):
-        cfg = qm.RunsConfig(warps)
+    for warps, prefetch in ((1, 0), (2, 0), (4, 0), (8, 0), (1, 1), (2, 1), (8, 1)):
+        cfg = qm.RunsConfig(warps, prefetch)
         for what, xx, bb, bb2 in (("aligned", x, blocks, mx.array(raw[: 2 * f])),
                                   ("misaligned", x_off, _misaligned(raw, 2), _misaligned(raw[: 2 * f], 2))):  # fmt: skip
             out = qm.launch_dense_runs(xx, bb, n, cfg, init_value=NAN)
@@ -402,10 +403,10 @@ def test_q4_0_runs_kernels(n, k):
 
 
 def test_q4_0_runs_dispatch(monkeypatch):
-    """With family quant_matvec_runs on, one-token bf16 Q4_0 calls (dense, gate_up, x with lead
+    """With families quant_matvec_runs and gate_up_runs on, one-token bf16 Q4_0 calls (dense, gate_up, x with lead
     dims) go to the runs kernels and stay as accurate; K not a multiple of 256, f32 and M = 2 keep
     their kernels."""
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "quant_matvec_runs")
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "quant_matvec_runs,gate_up_runs")
     launched = []
     for name in ("launch_dense_runs", "launch_gate_up_runs"):
         real = getattr(qm, name)

@@ -205,14 +205,17 @@ def test_runs_plans_and_geometry(monkeypatch):
 
 
 def test_runs_family_is_opt_in(monkeypatch):
-    """quant_matvec_runs is a known family, off unless named (not yet run on a GPU)."""
-    assert "quant_matvec_runs" in custom_kernels.FAMILIES and "quant_matvec_runs" not in custom_kernels.PROVEN
+    """quant_matvec_runs (dense rows) and gate_up_runs (a dense MLP's gate|up) are known families,
+    each off unless named."""
+    for family in ("quant_matvec_runs", "gate_up_runs"):
+        assert family in custom_kernels.FAMILIES and family not in custom_kernels.PROVEN
     monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
     monkeypatch.setattr(qm, "backend", lambda: "cuda")
     monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
-    assert not qm._use_runs(mx.bfloat16, 2560)
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "quant_matvec_runs")
-    assert qm._use_runs(mx.bfloat16, 2560) and not qm._use_runs(mx.bfloat16, 2592)
+    assert not qm._use_runs(mx.bfloat16, 2560, "quant_matvec_runs")
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "gate_up_runs")
+    assert qm._use_runs(mx.bfloat16, 2560, "gate_up_runs") and not qm._use_runs(mx.bfloat16, 2592, "gate_up_runs")
+    assert not qm._use_runs(mx.bfloat16, 2560, "quant_matvec_runs")
 
 
 def test_backend_and_reference_switch(monkeypatch):
