@@ -1541,8 +1541,12 @@ def launch_gate_up_stream(x: mx.array, ids: mx.array, blocks: mx.array, f: int,
 # shuffle from the lane that read it) into f32 sums; lanes of a row add their groups at the end
 # (two xor shuffles, fixed order) and the NW warps of a threadgroup split the runs, added in warp
 # order. Nibble pairs become bf16x2 (128 + q) with one byte permute against 0x43 and one bf16x2
-# subtraction of 136 (exact q - 8): ~2 instructions per weight. K must be a multiple of 256;
-# a misaligned base falls back to 2-byte loads inside the kernel.
+# subtraction of 136 (exact q - 8). K must be a multiple of 256; a misaligned base falls back to
+# 2-byte loads inside the kernel. Measured (H200, 12-layer traces, bench/NOTES.md session 12): a
+# dense MLP's gate|up 44.9 -> 22.5 us per E4B layer, 102.6 -> 87.3 us per 31B layer (family
+# "gate_up_runs", a CUDA default); the dense form is slower than the split-K FMA kernel on the
+# step's other projections (31B q|k|v 33 -> 41 us, down 38 -> 46 us), so "quant_matvec_runs" stays
+# opt-in. Nsight Compute: 79 registers (37.5% occupancy), stalls on L1TEX loads, issue 28-33%.
 
 _RUNS_HEADER_CUDA = r"""
 // the 144 bytes of one run (8 blocks) into 36 words: 16-byte loads, or 2-byte loads off alignment
@@ -1689,7 +1693,8 @@ class RunsConfig:
 
 
 RUNS_PREFETCH = 0
-"""default_runs_config's prefetch."""
+"""default_runs_config's prefetch. Off: measured slower on the H200 (125 registers instead of 79;
+gate|up per E4B layer 22.5 -> 34.7 us, per 31B layer 87.3 -> 110.4 us; bench/NOTES.md, session 12)."""
 
 RUNS_TARGET_WARPS = 2048
 """default_runs_config splits the runs over more warps while the grid has fewer warps than this."""
@@ -1793,7 +1798,9 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
     Q4_0 / Q8_0 blocks [2F, ...] whose rows 0..F-1 are gate and F..2F-1 up -> gelu_tanh(gate) * up
     [..., F] in x.dtype. One row on a GPU: the expert gate/up kernel with the matrix as the only
     expert (one launch, f32 product rounded once), split K on CUDA (H200 31B step: 97 -> 82 us
-    against the stream kernel). 2..8 rows: the dense kernel over all 2F rows, then the product in
+    against the stream kernel); on CUDA with bf16 x and K a multiple of 256 the runs kernel instead
+    (family gate_up_runs: 31B 102.6 -> 87.3 us, E4B 44.9 -> 22.5 us per layer). 2..8 rows: the
+    dense kernel over all 2F rows, then the product in
     f32 from its x.dtype outputs (the expert kernel would re-read the weights per row: 504 us vs
     88 us for three ops at the 31B shape, M = 8). Else the reference. ``one_expert``: the same
     blocks as [1, 2F, row_bytes], evaluated (a caller that keeps it spares the step an expand node)."""

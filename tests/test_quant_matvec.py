@@ -204,18 +204,23 @@ def test_runs_plans_and_geometry(monkeypatch):
         qm.launch_gate_up_runs(x[:1].astype(mx.float32), mx.zeros((8, 144), mx.uint8), 4)
 
 
-def test_runs_family_is_opt_in(monkeypatch):
-    """quant_matvec_runs (dense rows) and gate_up_runs (a dense MLP's gate|up) are known families,
-    each off unless named."""
-    for family in ("quant_matvec_runs", "gate_up_runs"):
-        assert family in custom_kernels.FAMILIES and family not in custom_kernels.PROVEN
+def test_runs_families(monkeypatch):
+    """gate_up_runs (a dense MLP's gate|up) is on by default on CUDA only, for bf16 x and K a
+    multiple of 256; quant_matvec_runs (dense rows) only when named."""
+    assert "gate_up_runs" in custom_kernels.PROVEN and "gate_up_runs" in custom_kernels.CUDA_ONLY
+    assert "quant_matvec_runs" in custom_kernels.FAMILIES and "quant_matvec_runs" not in custom_kernels.PROVEN
     monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
-    monkeypatch.setattr(qm, "backend", lambda: "cuda")
-    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
+    for which in ("metal", "cuda"):
+        monkeypatch.setattr(qm, "backend", lambda which=which: which)
+        monkeypatch.setattr(custom_kernels, "backend", lambda which=which: which)
+        assert qm._use_runs(mx.bfloat16, 2560, "gate_up_runs") == (which == "cuda")
+    assert not qm._use_runs(mx.bfloat16, 2592, "gate_up_runs") and not qm._use_runs(mx.float32, 2560, "gate_up_runs")
     assert not qm._use_runs(mx.bfloat16, 2560, "quant_matvec_runs")
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "gate_up_runs")
-    assert qm._use_runs(mx.bfloat16, 2560, "gate_up_runs") and not qm._use_runs(mx.bfloat16, 2592, "gate_up_runs")
-    assert not qm._use_runs(mx.bfloat16, 2560, "quant_matvec_runs")
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "quant_matvec_runs")
+    assert qm._use_runs(mx.bfloat16, 2560, "quant_matvec_runs")
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "gate_up_runs")
+    assert not qm._use_runs(mx.bfloat16, 2560, "gate_up_runs")
 
 
 def test_backend_and_reference_switch(monkeypatch):
