@@ -1,5 +1,6 @@
 """bench/tools/ab_decode.sh on the CPU (decode.py --quick): every setting runs in its own process
-with its environment, in turn, and leaves its JSON and a printed tokens/s row."""
+with its environment, in turn, and leaves its JSON and a printed tokens/s row. bench/tools/memcheck.sh
+with a stand-in compute-sanitizer: its arguments (a limit, then files or node ids) and its verdicts."""
 
 from __future__ import annotations
 
@@ -24,3 +25,35 @@ def test_ab_decode_alternates_settings(tmp_path):
     for label in ("plain", "ref"):
         doc = json.loads((tmp_path / f"ab-{label}-1.json").read_text())
         assert doc["rows"][0]["model"] == "tiny-dense" and doc["rows"][0]["gemma4_mlx"]["tok_s"] > 0
+
+
+_FAKE_SANITIZER = """#!/usr/bin/env bash
+# stand-in for compute-sanitizer: report the planted write, else say what pytest was asked to run
+for a in "$@"; do case "$a" in *planted_oob.py) echo "========= Invalid __global__ write of size 4 bytes"; exit 0;; esac; done
+echo "ran: ${@: -1}"
+case "${@: -1}" in *bad*) echo "========= Invalid __global__ read of size 4 bytes"; echo "========= ERROR SUMMARY: 1 error"; exit 9;; esac
+echo "========= ERROR SUMMARY: 0 errors"; echo "1 passed"
+"""
+
+
+def test_memcheck_takes_files_and_node_ids(tmp_path):
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(_FAKE_SANITIZER)
+    fake.chmod(0o755)
+    env = {**os.environ, "COMPUTE_SANITIZER": str(fake)}
+    node_log = Path("/tmp/memcheck-test_kernels_gpu-test_dense_kernels.txt")  # memcheck.sh's log of that node id
+    node_log.unlink(missing_ok=True)
+    args = ["bash", str(ROOT / "bench/tools/memcheck.sh"), "30", "tests/test_norm_gpu.py",
+            "tests/test_kernels_gpu.py::test_dense_kernels", "tests/test_bad_gpu.py"]  # fmt: skip
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60, check=False)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1, r.stdout  # one file with an error fails the run
+    assert "tests/test_norm_gpu.py: rc 0; ========= ERROR SUMMARY: 0 errors; 1 passed" in lines
+    assert "tests/test_kernels_gpu.py::test_dense_kernels: rc 0; ========= ERROR SUMMARY: 0 errors; 1 passed" in lines
+    assert any(line.startswith("tests/test_bad_gpu.py: rc 9;") for line in lines)
+    assert any("Invalid __global__ read" in line for line in lines)
+    assert "ran: tests/test_kernels_gpu.py::test_dense_kernels" in node_log.read_text()  # reached pytest whole
+    # without a reported planted write nothing else counts
+    fake.write_text("#!/usr/bin/env bash\necho '========= ERROR SUMMARY: 0 errors'\n")
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 2 and "did not report the planted write" in r.stdout

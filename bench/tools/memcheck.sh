@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck over the kernel-level GPU tests, on a CUDA machine with MLX's CUDA wheel.
-#   bash bench/tools/memcheck.sh [seconds per test file, default 240] [test files ...] > memcheck.txt
+#   bash bench/tools/memcheck.sh [seconds per test file, default 240] [test files or node ids ...] > memcheck.txt
 # First a planted out-of-bounds kernel, which memcheck must report; then each kernel test file in its
 # own process (no pytest-xdist, so every kernel runs in the process the tool instruments).
 # Limit: MLX's CUDA allocator rounds buffers up (powers of two below 16 KiB, whole 16 KiB pages
@@ -24,7 +24,8 @@ files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/test_registry_cases_gpu.py tests/test_norm_gpu.py tests/test_kernels_gpu.py
   tests/test_attention_gpu.py tests/test_rope_gpu.py tests/test_router_gpu.py tests/test_sampling_kernels_gpu.py)
 for f in "${files[@]}"; do
-  log=/tmp/memcheck-$(basename "$f" .py).txt
+  log=/tmp/memcheck-$(basename "${f%%::*}" .py)${f#"${f%%::*}"}.txt  # a node id (file::test) keeps its test name
+  log=${log//::/-}
   MLX_ENABLE_TF32=0 timeout "$limit" "$CS" --tool memcheck --print-limit 20 --error-exitcode 9 \
     python3 -m pytest -m gpu -p no:cacheprovider -p no:benchmark -q "$f" > "$log" 2>&1
   rc=$?
