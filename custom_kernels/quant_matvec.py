@@ -1480,7 +1480,7 @@ def _use_stream(x_dtype: mx.Dtype, k: int, rows: int | None = None) -> bool:
 
 def _need_bf16(x: mx.array) -> None:
     if x.dtype != mx.bfloat16:
-        raise TypeError("the Q4_0 stream kernels take bfloat16 activations")
+        raise TypeError("the CUDA tensor-core Q4_0 kernels (stream, runs) take bfloat16 activations")
 
 
 def launch_dense_stream(x2: mx.array, blocks: mx.array, n: int, config: StreamConfig | None = None,
@@ -1543,7 +1543,7 @@ def launch_gate_up_stream(x: mx.array, ids: mx.array, blocks: mx.array, f: int,
 # order. Nibble pairs become bf16x2 (128 + q) with one byte permute against 0x43 and one bf16x2
 # subtraction of 136 (exact q - 8). K must be a multiple of 256; a misaligned base falls back to
 # 2-byte loads inside the kernel. Measured (H200, 12-layer traces, bench/NOTES.md session 12): a
-# dense MLP's gate|up 44.9 -> 22.5 us per E4B layer, 102.6 -> 87.3 us per 31B layer (family
+# dense MLP's gate|up 37-45 -> 22.5 us per E4B layer, 102 -> 86-90 us per 31B layer (family
 # "gate_up_runs", a CUDA default); the dense form is slower than the split-K FMA kernel on the
 # step's other projections (31B q|k|v 33 -> 41 us, down 38 -> 46 us), so "quant_matvec_runs" stays
 # opt-in. Nsight Compute: 79 registers (37.5% occupancy), stalls on L1TEX loads, issue 28-33%.
@@ -1749,6 +1749,7 @@ def launch_dense_runs(x: mx.array, blocks: mx.array, n: int, config: RunsConfig 
     """CUDA runs kernel, Q4_0: bf16 x [..., K] holding one token @ blocks [N, ...].T -> [1, N] (or
     out_shape; CUDA builds only)."""
     _need_bf16(x)
+    _check_dense(x, blocks, Q4_0, n)
     if math.prod(x.shape[:-1]) != 1:
         raise ValueError(f"the runs kernels take one token, got x of shape {x.shape}")
     return _run(_runs_def("dense"), [x, blocks], plan_runs("dense", n, x.shape[-1], config), x.dtype, init_value,
@@ -1760,6 +1761,7 @@ def launch_gate_up_runs(x: mx.array, blocks: mx.array, f: int, config: RunsConfi
     """CUDA runs kernel for a dense fused gate|up, Q4_0: bf16 x [..., K] holding one token, blocks
     [2F, ...] (gate rows, then up rows) -> gelu_tanh(gate) * up [1, F] (or out_shape)."""
     _need_bf16(x)
+    _check_dense(x, blocks, Q4_0, 2 * f)
     if math.prod(x.shape[:-1]) != 1:
         raise ValueError(f"the runs kernels take one token, got x of shape {x.shape}")
     return _run(_runs_def("gate_up"), [x, blocks], plan_runs("gate_up", f, x.shape[-1], config), x.dtype,
@@ -1798,8 +1800,8 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
     Q4_0 / Q8_0 blocks [2F, ...] whose rows 0..F-1 are gate and F..2F-1 up -> gelu_tanh(gate) * up
     [..., F] in x.dtype. One row on a GPU: the expert gate/up kernel with the matrix as the only
     expert (one launch, f32 product rounded once), split K on CUDA (H200 31B step: 97 -> 82 us
-    against the stream kernel); on CUDA with bf16 x and K a multiple of 256 the runs kernel instead
-    (family gate_up_runs: 31B 102.6 -> 87.3 us, E4B 44.9 -> 22.5 us per layer). 2..8 rows: the
+    against the stream kernel); for Q4_0 on CUDA with bf16 x and K a multiple of 256 the runs kernel
+    instead (family gate_up_runs: 31B 102 -> 86-90 us, E4B 37-45 -> 22.5 us per layer). 2..8 rows: the
     dense kernel over all 2F rows, then the product in
     f32 from its x.dtype outputs (the expert kernel would re-read the weights per row: 504 us vs
     88 us for three ops at the 31B shape, M = 8). Else the reference. ``one_expert``: the same

@@ -137,8 +137,9 @@ def test_gate_up_kernels(fmt, dtype):
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_dense_gate_up_op(fmt, dtype):
-    """qm.gate_up (a dense MLP's fused gate|up: at M = 1 the split-K gate/up kernel with one
-    expert, family gate_up_split) at M = 1..8."""
+    """qm.gate_up (a dense MLP's fused gate|up) at M = 1..8: at M = 1 the runs kernel for bf16 Q4_0
+    with K a multiple of 256 (family gate_up_runs), else the split-K gate/up kernel with one expert
+    (family gate_up_split)."""
     ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0}[fmt]
     rng = np.random.default_rng(31)
     for f, k in ((1001, 1056), (21, 5376)):

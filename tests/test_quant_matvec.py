@@ -197,11 +197,18 @@ def test_runs_plans_and_geometry(monkeypatch):
     monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "warps=5")
     with pytest.raises(ValueError, match=qm.RUNS_GEOMETRY_ENV):
         qm.default_runs_config("dense", 10, 256)
+    monkeypatch.delenv(qm.RUNS_GEOMETRY_ENV)
     x = mx.zeros((2, 256), mx.bfloat16)
     with pytest.raises(ValueError, match="one token"):
         qm.launch_dense_runs(x, mx.zeros((8, 144), mx.uint8), 8)
     with pytest.raises(TypeError):
         qm.launch_gate_up_runs(x[:1].astype(mx.float32), mx.zeros((8, 144), mx.uint8), 4)
+    with pytest.raises(ValueError, match="do not hold"):  # 9 rows for N = 8
+        qm.launch_dense_runs(x[:1], mx.zeros((9, 144), mx.uint8), 8)
+    with pytest.raises(ValueError, match="do not hold"):  # gate|up: 2F rows of K / 32 * 18 bytes
+        qm.launch_gate_up_runs(x[:1], mx.zeros((8, 144), mx.uint8), 5)
+    with pytest.raises(ValueError, match="do not hold"):
+        qm.launch_gate_up_runs(x[:1], mx.zeros((8, 126), mx.uint8), 4)
 
 
 def test_runs_families(monkeypatch):

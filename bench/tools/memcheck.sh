@@ -9,6 +9,9 @@
 # tests and the Metal emulator's bounds checks cover the small ones.
 CS=${COMPUTE_SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
 limit=${1:-240}
+case "$limit" in
+  ''|*[!0-9]*) echo "usage: memcheck.sh [seconds per test file] [test files or node ids, relative to the repository root ...]"; exit 2;;
+esac
 shift $(( $# > 0 ? 1 : 0 ))
 here="$(cd "$(dirname "$0")" && pwd)"
 cd "$here/../.."  # the repository root: the test paths below are relative to it
