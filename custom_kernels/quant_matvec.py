@@ -1748,24 +1748,22 @@ def launch_dense_runs(x: mx.array, blocks: mx.array, n: int, config: RunsConfig 
                       init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
     """CUDA runs kernel, Q4_0: bf16 x [..., K] holding one token @ blocks [N, ...].T -> [1, N] (or
     out_shape; CUDA builds only)."""
-    _need_bf16(x)
-    _check_dense(x, blocks, Q4_0, n)
-    if math.prod(x.shape[:-1]) != 1:
-        raise ValueError(f"the runs kernels take one token, got x of shape {x.shape}")
-    return _run(_runs_def("dense"), [x, blocks], plan_runs("dense", n, x.shape[-1], config), x.dtype, init_value,
-                out_shape)  # fmt: skip
+    return _launch_runs("dense", x, blocks, n, n, config, init_value, out_shape)
 
 
 def launch_gate_up_runs(x: mx.array, blocks: mx.array, f: int, config: RunsConfig | None = None,
                         init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
     """CUDA runs kernel for a dense fused gate|up, Q4_0: bf16 x [..., K] holding one token, blocks
     [2F, ...] (gate rows, then up rows) -> gelu_tanh(gate) * up [1, F] (or out_shape)."""
+    return _launch_runs("gate_up", x, blocks, 2 * f, f, config, init_value, out_shape)
+
+
+def _launch_runs(kind: str, x: mx.array, blocks: mx.array, rows: int, n: int, config, init_value, out_shape):
     _need_bf16(x)
-    _check_dense(x, blocks, Q4_0, 2 * f)
+    _check_dense(x, blocks, Q4_0, rows)
     if math.prod(x.shape[:-1]) != 1:
         raise ValueError(f"the runs kernels take one token, got x of shape {x.shape}")
-    return _run(_runs_def("gate_up"), [x, blocks], plan_runs("gate_up", f, x.shape[-1], config), x.dtype,
-                init_value, out_shape)  # fmt: skip
+    return _run(_runs_def(kind), [x, blocks], plan_runs(kind, n, x.shape[-1], config), x.dtype, init_value, out_shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -2169,20 +2167,10 @@ def _runs_case(rng, kind, n, k, config):
     """A bf16 one-token case of a runs kernel: dense N rows, or gate|up with F = n."""
     if kind == "dense":
         case = _mma_case(rng, 1, n, k, None)
-    else:
-        from .registry import KernelCase
-
-        x, x64, in_dt = _activations(rng, (1, k), "bfloat16")
-        wq = random_blocks(rng, Q4_0, (2 * n,), k)
-        w64 = dequantize_f64(wq, Q4_0)
-        full, mag = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
-        g, u, sg, su = full[:, :n], full[:, n:], mag[:, :n], mag[:, n:]
-        expected = _gelu_tanh_f64(g) * u
-        scale = float(((np.abs(g) + sg) * (np.abs(u) + su)).max())
-        rtol, atol = _tolerances("bfloat16", scale)
-        case = KernelCase(inputs={"x": x, "wq": wq}, template=[], grid=(1, 1, 1), threadgroup=(1, 1, 1),
-                          output_shapes=[(1, n)], output_dtypes=["bfloat16"], expected=[expected], rtol=rtol,
-                          atol=atol, input_dtypes=in_dt, label="")  # fmt: skip
+    else:  # the expert gate/up case with one expert and one slot, as a dense matrix
+        case = _gather_case(rng, Q4_0, "gate_up", "bfloat16", 1, 1, 1, n, k, False, KernelConfig())
+        case = dataclasses.replace(case, inputs={"x": case.inputs["x"], "wq": case.inputs["wq"][0]},
+                                   output_shapes=[(1, n)], expected=[case.expected[0].reshape(1, n)])
     plan = plan_runs(kind, n, k, config)
     return dataclasses.replace(case, template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
                                label=f"{kind} N={n} K={k} {config}")

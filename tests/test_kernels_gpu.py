@@ -38,6 +38,13 @@ def _check(out: mx.array, want: np.ndarray, bound: np.ndarray, dtype, what: str)
     assert rel <= limit, f"{what}: relative error {rel:.3g} > {limit:g}"
 
 
+def _gelu_times(gu: np.ndarray, mag: np.ndarray, f: int) -> tuple[np.ndarray, np.ndarray]:
+    """gelu_tanh(gate) * up from [.., 2F] float64 products, and the error bound from |W| @ |x|."""
+    g, u = gu[..., :f], gu[..., f:]
+    want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
+    return want, (np.abs(g) + mag[..., :f]) * (np.abs(u) + mag[..., f:])
+
+
 def _expert_products(w64: np.ndarray, rows: np.ndarray, ids: np.ndarray, per_slot: bool):
     """(W[ids[m, s]] @ row(m, s), |W| @ |row|) for every (token, slot) -> two [M, k, N] float64
     arrays; row(m, s) is rows[m * k + s] per slot, else rows[m]. One BLAS product per expert
@@ -123,10 +130,7 @@ def test_gate_up_kernels(fmt, dtype):
         for m in (1, 2, 8):
             ids = np.stack([rng.permutation(experts)[:slots] for _ in range(m)]).astype(np.int32)
             x, x64 = _acts(rng, (m, k), dtype)
-            gu, mag = _expert_products(w64, x64, ids, False)
-            g, u = gu[..., :f], gu[..., f:]
-            want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
-            bound = (np.abs(g) + mag[..., :f]) * (np.abs(u) + mag[..., f:])
+            want, bound = _gelu_times(*_expert_products(w64, x64, ids, False), f)
             split = [qm.KernelConfig(2, 4, 2, 0, 4), qm.KernelConfig(1, 8, 1, 0, 2)]
             for cfg in CONFIGS[:2] + split if m == 1 else CONFIGS[:1] + split[:1]:
                 out = qm.launch_gate_up(x, mx.array(ids), blocks, ggml_type, f, config=cfg, init_value=NAN)
@@ -147,10 +151,7 @@ def test_dense_gate_up_op(fmt, dtype):
         w64 = qm.dequantize_f64(raw, ggml_type)
         for m in range(1, 9):
             x, x64 = _acts(rng, (m, k), dtype)
-            gu, mag = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
-            g, u = gu[:, :f], gu[:, f:]
-            want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
-            bound = (np.abs(g) + mag[:, :f]) * (np.abs(u) + mag[:, f:])
+            want, bound = _gelu_times(x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, f)
             out = qm.gate_up(x, mx.array(raw), ggml_type, f)
             assert out.shape == (m, f) and out.dtype == dtype
             _check(out, want, bound, dtype, f"{fmt} dense gate_up M={m} F={f} K={k}")
@@ -256,12 +257,11 @@ def test_q4_0_stream_expert_kernels(per_slot):
             if per_slot or n % 2:
                 continue
             f = n // 2
-            g, u, mg, mu = want[..., :f], want[..., f:], bound[..., :f], bound[..., f:]
-            gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+            gu_want, gu_bound = _gelu_times(want, bound, f)
             for cfg in (None, qm.StreamConfig(2, 2, 3), qm.StreamConfig(1, 2, 2, 32)):
                 out = qm.launch_gate_up_stream(x, mx.array(ids), blocks, f, config=cfg, init_value=NAN)
                 assert out.shape == (m, slots, f)
-                _check(out, gelu * u, (np.abs(g) + mg) * (np.abs(u) + mu), mx.bfloat16, f"stream gate_up M={m} F={f} {cfg}")
+                _check(out, gu_want, gu_bound, mx.bfloat16, f"stream gate_up M={m} F={f} {cfg}")
     ids = mx.array(np.array([[1, 99, -1]], dtype=np.int32))
     x = mx.array(rng.standard_normal((1, 704)).astype(np.float32)).astype(mx.bfloat16)
     stack = mx.array(qm.random_blocks(rng, qm.Q4_0, (4, 40), 704))
@@ -317,9 +317,7 @@ def test_stream_dispatch(monkeypatch):
     x, x64 = _acts(rng, (2, 512), mx.bfloat16)
     want, bound = _expert_products(s64, x64, ids, False)
     _check(qm.q4_0_matvec_gather(x, mx.array(ids), mx.array(stack), 40), want, bound, mx.bfloat16, "gather dispatch")
-    g, u, mg, mu = want[..., :20], want[..., 20:], bound[..., :20], bound[..., 20:]
-    gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
-    _check(qm.q4_0_gate_up_gather(x, mx.array(ids), mx.array(stack), 20), gelu * u, (np.abs(g) + mg) * (np.abs(u) + mu),
+    _check(qm.q4_0_gate_up_gather(x, mx.array(ids), mx.array(stack), 20), *_gelu_times(want, bound, 20),
            mx.bfloat16, "gate_up dispatch")  # fmt: skip
     xs, xs64 = _acts(rng, (2, 2, 512), mx.bfloat16)
     wts = np.array([[0.25, 0.75], [0.5, 0.5]], dtype=np.float32)
@@ -357,13 +355,6 @@ def test_expert_ops_with_lead_dims(ggml_type, dtype):
         y = down(h, ids, wts, dn_stack, 512)
         y_flat = down(h_flat, ids.reshape(m, 4), wts.reshape(m, 4), dn_stack, 512)
         assert y.shape == (*lead, 512) and same(y.reshape(m, 512), y_flat)
-
-
-def _gelu_times(gu: np.ndarray, mag: np.ndarray, f: int) -> tuple[np.ndarray, np.ndarray]:
-    """gelu_tanh(gate) * up from [.., 2F] float64 products, and the error bound from |W| @ |x|."""
-    g, u = gu[..., :f], gu[..., f:]
-    want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
-    return want, (np.abs(g) + mag[..., :f]) * (np.abs(u) + mag[..., f:])
 
 
 def _misaligned(raw: np.ndarray, offset: int) -> mx.array:
