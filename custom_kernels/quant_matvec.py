@@ -1673,23 +1673,185 @@ _RUNS_BODY_CUDA = r"""
 """
 
 
+# The 16-row form (RunsConfig.rows = 16, kernels g4_q4_0_matvec_runs16 / g4_q4_0_gate_up_runs16):
+# the weights are the A operand instead. Lane (g, t) holds rows g and g + 8 of a 16-row set (gate|up:
+# gate row g and up row g of 8 outputs) and reads the same run of 4 blocks (72 bytes) of both; its A
+# pairs are the same bf16x2 nibble pairs as above, written straight into the quads that mma.sync
+# reads, and x is B: lane (t, t) holds x of lane t's run, every other lane reads zeros from shared
+# memory (no branch), so D[m][n] is row m's block of the run of lanes t = n. Per mma 16 x 16 weights
+# (twice the 8 x 16 above) and no register copies of x. Each lane alternates between the even and
+# the odd run of a pair (16-byte loads, then an 8-byte one, or the other way round: one layout per
+# phase, the same for every lane). Same K and alignment rules as the 8-row form.
+
+_RUNS16_HEADER_CUDA = r"""
+// the 72 bytes of one run (4 blocks) into 18 words; ODD: the run starts 8 bytes past a 16-byte
+// boundary (8-byte load first), else on it (8-byte load last); 2-byte loads off alignment
+template <int ODD>
+__device__ __forceinline__ void g4_load_run72(uint32_t (&q)[18], const uint8_t* run, bool aligned) {
+  if (aligned) {
+    const uint2 e = __ldg(reinterpret_cast<const uint2*>(run + (ODD ? 0 : 64)));
+    const uint4* v = reinterpret_cast<const uint4*>(run + (ODD ? 8 : 0));
+    constexpr int o = ODD ? 2 : 0;
+    _Pragma("unroll") for (int s = 0; s < 4; ++s) {
+      const uint4 w = __ldg(v + s);
+      q[o + 4 * s] = w.x; q[o + 4 * s + 1] = w.y; q[o + 4 * s + 2] = w.z; q[o + 4 * s + 3] = w.w;
+    }
+    q[ODD ? 0 : 16] = e.x; q[ODD ? 1 : 17] = e.y;
+  } else {
+    _Pragma("unroll") for (int i = 0; i < 18; ++i) q[i] = g4_u16(run + 4 * i) | (g4_u16(run + 4 * i + 2) << 16);
+  }
+}
+// bf16x2 {q - 8} of qs pair p (bytes 2p, 2p + 1) of block b of a 72-byte run, low or high (hi)
+// nibbles; b, p, hi are constants once the callers' loops are unrolled
+__device__ __forceinline__ uint32_t g4_run72_pair(const uint32_t (&q)[18], int b, int p, int hi) {
+  const int o = 18 * b + 2 + 2 * p;  // byte offset of the pair in the run
+  const uint32_t w = hi ? (q[o >> 2] >> 4) & 0x0F0F0F0Fu : q[o >> 2] & 0x0F0F0F0Fu;
+  return g4_q4_pair(w, (o & 2) ? 0x4342u : 0x4140u);
+}
+__device__ __forceinline__ float g4_run72_scale(const uint32_t (&q)[18], int b) {
+  const int o = 18 * b;
+  return g4_half_bits((o & 2) ? q[o >> 2] >> 16 : q[o >> 2] & 0xFFFFu);
+}
+// x elements 4w .. 4w + 3 of a block half (8 bytes at p, global or shared: generic loads) as B's
+// two bf16x2: one load when x is 8-byte aligned (XA), else 2-byte loads
+template <int XA>
+__device__ __forceinline__ void g4_x8(uint32_t& b0, uint32_t& b1, const uint8_t* p) {
+  if (XA) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    b0 = v.x; b1 = v.y;
+  } else {
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+    b0 = (uint32_t)h[0] | ((uint32_t)h[1] << 16);
+    b1 = (uint32_t)h[2] | ((uint32_t)h[3] << 16);
+  }
+}
+// Every pair of runs of a warp (j = warp, warp + NW, ...): the 16-row loop of the runs16 kernels.
+// acc: (row g, column 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1); xz: x (lanes g == t) or
+// the zeros, xrun: x bytes per run (256, or 0 for the zeros)
+template <int XA>
+__device__ __forceinline__ void g4_runs16_loop(float (&acc)[4], const uint8_t* row0, const uint8_t* row1,
+                                               const uint8_t* xz, int xrun, int C, int warp, int nw, int g,
+                                               int t, bool w_aligned) {
+  const int s0 = 4 * g + ((2 * t) & 3);  // the lanes holding the d of columns 2t, 2t + 1 (t < 2)
+  for (int j = warp; 8 * j < C; j += nw) {
+    _Pragma("unroll") for (int ph = 0; ph < 2; ++ph) {
+      const int c = 8 * j + 2 * t + ph;  // run of this lane: even in phase 0, odd in phase 1
+      const bool live = c < C;
+      const int cc = live ? c : C - 2 + ph;
+      uint32_t q0[18], q1[18];
+      if (ph) {
+        g4_load_run72<1>(q0, row0 + (size_t)cc * 72, w_aligned);
+        g4_load_run72<1>(q1, row1 + (size_t)cc * 72, w_aligned);
+      } else {
+        g4_load_run72<0>(q0, row0 + (size_t)cc * 72, w_aligned);
+        g4_load_run72<0>(q1, row1 + (size_t)cc * 72, w_aligned);
+      }
+      const uint8_t* xr = xz + (size_t)cc * xrun;
+      _Pragma("unroll") for (int b = 0; b < 4; ++b) {
+        const float d0 = live ? g4_run72_scale(q0, b) : 0.0f;
+        const float d1 = live ? g4_run72_scale(q1, b) : 0.0f;
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        _Pragma("unroll") for (int hi = 0; hi < 2; ++hi) {
+          _Pragma("unroll") for (int w = 0; w < 4; ++w) {  // qs pairs 2w, 2w + 1: weights 4w .. 4w + 3 (+16)
+            uint32_t b0, b1;
+            g4_x8<XA>(b0, b1, xr + 64 * b + 32 * hi + 8 * w);
+            g4_mma_bf16(part, g4_run72_pair(q0, b, 2 * w, hi), g4_run72_pair(q1, b, 2 * w, hi),
+                        g4_run72_pair(q0, b, 2 * w + 1, hi), g4_run72_pair(q1, b, 2 * w + 1, hi), b0, b1);
+          }
+        }
+        // D[m][n]: row m's block b of the run of lanes t = n; its d is on lane (g, n)
+        const float e0 = __shfl_sync(0xFFFFFFFFu, d0, s0), e1 = __shfl_sync(0xFFFFFFFFu, d0, s0 + 1);
+        const float f0 = __shfl_sync(0xFFFFFFFFu, d1, s0), f1 = __shfl_sync(0xFFFFFFFFu, d1, s0 + 1);
+        if (t < 2) {
+          acc[0] += e0 * part[0]; acc[1] += e1 * part[1]; acc[2] += f0 * part[2]; acc[3] += f1 * part[3];
+        }
+      }
+    }
+  }
+}
+"""
+
+# Template: T (bfloat16), NW (warps per threadgroup, splitting the pairs of runs). @GU@: 0 dense
+# (16 rows per threadgroup), 1 gate|up (gate rows r..r+7 and up rows F+r..F+r+7 -> gelu_tanh(g) * u).
+_RUNS16_BODY_CUDA = r"""
+  // gemma4-mlx q4_0 runs16 kernel (CUDA tensor cores, one token, weights as A: 16 rows per warp)
+  constexpr int GU = @GU@;
+  const int K = x_shape[x_ndim - 1];  // x [..., K] holding one token
+  const int NR = wq_shape[0];         // weight rows
+  const int row_bytes = wq_shape[1];
+  const int N = GU ? NR / 2 : NR;     // output rows
+  const int C = K >> 7;               // runs of 4 blocks per row (even: K % 256 == 0)
+  const int lane = (int)(threadIdx.x & 31u);
+  const int warp = (int)(threadIdx.x >> 5);
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int out0 = (int)blockIdx.x * (GU ? 8 : 16);
+  const int r0 = out0 + g;                          // A row g
+  const int r1 = GU ? N + out0 + g : out0 + 8 + g;  // A row g + 8
+  const bool ok0 = r0 < N;
+  const bool ok1 = GU ? ok0 : r1 < NR;
+  const uint8_t* row0 = wq + (size_t)(ok0 ? r0 : 0) * row_bytes;
+  const uint8_t* row1 = wq + (size_t)(ok1 ? r1 : 0) * row_bytes;
+  const bool w_aligned = (reinterpret_cast<uintptr_t>(wq) & 15u) == 0;
+  __shared__ uint32_t zeros_s[64];  // B of the lanes g != t: one run's x bytes, all zero
+  for (int i = (int)threadIdx.x; i < 64; i += 32 * NW) zeros_s[i] = 0u;
+  __syncthreads();
+  const uint8_t* xz = g == t ? reinterpret_cast<const uint8_t*>(x) : reinterpret_cast<const uint8_t*>(zeros_s);
+  const int xrun = g == t ? 256 : 0;  // bytes of x per run (0: the zeros)
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+  if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
+    g4_runs16_loop<1>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
+  } else {
+    g4_runs16_loop<0>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
+  }
+  // row g: lanes t = 0, 1 hold its four columns (lanes 2, 3 zeros); add them in a fixed order
+  float s0 = acc[0] + acc[1], s1 = acc[2] + acc[3];
+  s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 1);
+  s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 1);
+  __shared__ float rows_s[NW][16];
+  if (t == 0) {
+    rows_s[warp][g] = s0;
+    rows_s[warp][8 + g] = s1;
+  }
+  __syncthreads();
+  if (warp == 0 && lane < (GU ? 8 : 16)) {
+    float s = rows_s[0][lane];
+    for (int w = 1; w < NW; ++w) s += rows_s[w][lane];
+    if (GU) {
+      float u = rows_s[0][lane + 8];
+      for (int w = 1; w < NW; ++w) u += rows_s[w][lane + 8];
+      if (out0 + lane < N) out[out0 + lane] = static_cast<T>(g4_gelu_tanh(s) * u);
+    } else if (out0 + lane < N) {
+      out[out0 + lane] = static_cast<T>(s);
+    }
+  }
+"""
+
+
 RUNS_GEOMETRY_ENV = "GEMMA4_MLX_RUNS_GEOMETRY"
 """RunsConfig fields over default_runs_config's, e.g. "warps=2" (tuning)."""
 
 
 @dataclass(frozen=True)
 class RunsConfig:
-    """Geometry of the CUDA runs kernels: warps per threadgroup, which split a row set's runs, and
-    prefetch = 1 to load each lane's next run while computing on the current one (36 registers)."""
+    """Geometry of the CUDA runs kernels: warps per threadgroup, which split a row set's runs,
+    prefetch = 1 to load each lane's next run while computing on the current one (36 registers;
+    8-row form only), and rows: 8 (weights as mma's B operand) or 16 (weights as A, the runs16
+    kernels; not yet run on a GPU, so only through GEMMA4_MLX_RUNS_GEOMETRY=rows=16)."""
 
     warps: int = 1
     prefetch: int = 0
+    rows: int = 8
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8):
             raise ValueError("warps must be 1, 2, 4 or 8")
         if self.prefetch not in (0, 1):
             raise ValueError("prefetch must be 0 or 1")
+        if self.rows not in (8, 16):
+            raise ValueError("rows must be 8 or 16")
+        if self.rows == 16 and self.prefetch:
+            raise ValueError("the 16-row runs kernels have no prefetch")
 
 
 RUNS_PREFETCH = 0
@@ -1703,12 +1865,18 @@ RUNS_TARGET_WARPS = 2048
 def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
     """One warp per row set, doubled (up to 8, and no more than a row's groups of 4 runs) while the
     grid holds fewer than RUNS_TARGET_WARPS warps; GEMMA4_MLX_RUNS_GEOMETRY overrides it."""
-    sets = math.ceil(n / (4 if kind == "gate_up" else 8))
-    groups = math.ceil(k // 256 / 4)
+    rows = geometry_fields(RunsConfig(), RUNS_GEOMETRY_ENV).get("rows", RunsConfig.rows)
+    sets = _runs_sets(kind, n, rows)
+    groups = math.ceil(k / 1024)  # a warp's step: 1024 weights of each of its rows
     warps = 1
     while warps < 8 and 2 * warps <= groups and sets * warps < RUNS_TARGET_WARPS:
         warps *= 2
-    return geometry_override(RunsConfig(warps, RUNS_PREFETCH), RUNS_GEOMETRY_ENV)
+    return geometry_override(RunsConfig(warps, RUNS_PREFETCH, rows), RUNS_GEOMETRY_ENV)
+
+
+def _runs_sets(kind: str, n: int, rows: int) -> int:
+    """Threadgroups of a runs kernel: each takes ``rows`` weight rows (half gate, half up)."""
+    return math.ceil(n / (rows // 2 if kind == "gate_up" else rows))
 
 
 def runs_supported(x_dtype: mx.Dtype, k: int) -> bool:
@@ -1716,13 +1884,15 @@ def runs_supported(x_dtype: mx.Dtype, k: int) -> bool:
     return x_dtype == mx.bfloat16 and k > 0 and k % 256 == 0
 
 
-def _runs_def(kind: str) -> _KernelDef:
-    key = (Q4_0, "runs_" + kind)
+def _runs_def(kind: str, rows: int = 8) -> _KernelDef:
+    key = (Q4_0, f"runs{rows}_{kind}")
     if key not in _KERNEL_DEFS:
-        name = {"dense": "g4_q4_0_matvec_runs", "gate_up": "g4_q4_0_gate_up_runs"}[kind]
-        body = _RUNS_BODY_CUDA.replace("@GU@", "1" if kind == "gate_up" else "0")
-        header = prelude("cuda") + _MMA_HEADER_CUDA + _RUNS_HEADER_CUDA
-        _KERNEL_DEFS[key] = _KernelDef(name, kind, Q4_0, ("x", "wq"), ("out",), ("T", "NW", "PF"),
+        suffix = "16" if rows == 16 else ""
+        name = {"dense": "g4_q4_0_matvec_runs", "gate_up": "g4_q4_0_gate_up_runs"}[kind] + suffix
+        body = (_RUNS16_BODY_CUDA if rows == 16 else _RUNS_BODY_CUDA).replace("@GU@", "1" if kind == "gate_up" else "0")
+        header = prelude("cuda") + _MMA_HEADER_CUDA + _RUNS_HEADER_CUDA + (_RUNS16_HEADER_CUDA if rows == 16 else "")
+        params = ("T", "NW") if rows == 16 else ("T", "NW", "PF")
+        _KERNEL_DEFS[key] = _KernelDef(name, kind, Q4_0, ("x", "wq"), ("out",), params,
                                        {"metal": ("", ""), "cuda": (header, body)})  # fmt: skip
     return _KERNEL_DEFS[key]
 
@@ -1733,8 +1903,8 @@ def plan_runs(kind: str, n: int, k: int, config: RunsConfig | None = None) -> La
         raise ValueError(f"runs kernels: K={k} is not a multiple of 256")
     cfg = config or default_runs_config(kind, n, k)
     threads = 32 * cfg.warps
-    sets = math.ceil(n / (4 if kind == "gate_up" else 8))
-    template = [("T", "bfloat16"), ("NW", cfg.warps), ("PF", cfg.prefetch)]
+    sets = _runs_sets(kind, n, cfg.rows)
+    template = [("T", "bfloat16"), ("NW", cfg.warps)] + ([] if cfg.rows == 16 else [("PF", cfg.prefetch)])
     return LaunchPlan(template, (sets * threads, 1, 1), (threads, 1, 1), (1, n))
 
 
@@ -1763,7 +1933,9 @@ def _launch_runs(kind: str, x: mx.array, blocks: mx.array, rows: int, n: int, co
     _check_dense(x, blocks, Q4_0, rows)
     if math.prod(x.shape[:-1]) != 1:
         raise ValueError(f"the runs kernels take one token, got x of shape {x.shape}")
-    return _run(_runs_def(kind), [x, blocks], plan_runs(kind, n, x.shape[-1], config), x.dtype, init_value, out_shape)
+    cfg = config or default_runs_config(kind, n, x.shape[-1])
+    return _run(_runs_def(kind, cfg.rows), [x, blocks], plan_runs(kind, n, x.shape[-1], cfg), x.dtype, init_value,
+                out_shape)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -2164,7 +2336,8 @@ def _stream_cases(kind: str):
 
 
 def _runs_case(rng, kind, n, k, config):
-    """A bf16 one-token case of a runs kernel: dense N rows, or gate|up with F = n."""
+    """A bf16 one-token case of a runs kernel (8- or 16-row form by config): dense N rows, or
+    gate|up with F = n."""
     if kind == "dense":
         case = _mma_case(rng, 1, n, k, None)
     else:  # the expert gate/up case with one expert and one slot, as a dense matrix
@@ -2176,11 +2349,19 @@ def _runs_case(rng, kind, n, k, config):
                                label=f"{kind} N={n} K={k} {config}")
 
 
-def _runs_cases(kind: str):
+def _runs_cases(kind: str, rows: int = 8):
     """Odd row counts (a partial last row set), one run per row (three lanes of four idle), a
     partial last group of runs (K = 2560, 5376), more warps than groups (idle warps)."""
 
     def make(rng: np.random.Generator):
+        if rows == 16:
+            r = lambda warps: RunsConfig(warps, 0, 16)  # noqa: E731
+            if kind == "dense":
+                return [_runs_case(rng, kind, 37, 256, r(1)), _runs_case(rng, kind, 45, 2560, r(2)),
+                        _runs_case(rng, kind, 16, 5376, r(4)), _runs_case(rng, kind, 9, 768, r(8)),
+                        _runs_case(rng, kind, 24, 2816, r(1))]  # fmt: skip
+            return [_runs_case(rng, kind, 13, 512, r(1)), _runs_case(rng, kind, 6, 2560, r(2)),
+                    _runs_case(rng, kind, 21, 1280, r(4)), _runs_case(rng, kind, 11, 5376, r(1))]  # fmt: skip
         r = RunsConfig
         if kind == "dense":
             return [_runs_case(rng, kind, 37, 256, r(1)), _runs_case(rng, kind, 45, 2560, r(2)),
@@ -2203,10 +2384,11 @@ def kernel_specs():
         sdef = _stream_def(kind)
         specs.append(KernelSpec(sdef.name, sdef.input_names, sdef.output_names, "", "", *sdef.text["cuda"],
                                 _stream_cases(kind)))  # fmt: skip
-    for kind in ("dense", "gate_up"):  # CUDA only: no Metal text
-        rdef = _runs_def(kind)
-        specs.append(KernelSpec(rdef.name, rdef.input_names, rdef.output_names, "", "", *rdef.text["cuda"],
-                                _runs_cases(kind)))  # fmt: skip
+    for rows in (8, 16):
+        for kind in ("dense", "gate_up"):  # CUDA only: no Metal text
+            rdef = _runs_def(kind, rows)
+            specs.append(KernelSpec(rdef.name, rdef.input_names, rdef.output_names, "", "", *rdef.text["cuda"],
+                                    _runs_cases(kind, rows)))  # fmt: skip
     for ggml_type, kind in _ALL_KERNELS:
         kdef = _kernel_def(ggml_type, kind)
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]

@@ -194,6 +194,20 @@ def test_runs_plans_and_geometry(monkeypatch):
         qm.RunsConfig(3)
     monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "warps=2")
     assert qm.plan_runs("dense", 43008, 5376).threadgroup == (64, 1, 1)
+    # the 16-row form: 16 dense rows (8 gate|up pairs) per threadgroup, its own kernel, no prefetch
+    monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "rows=16")
+    for (kind, n, k), warps in {("dense", 43008, 5376): 1, ("dense", 16384, 5376): 2, ("gate_up", 21504, 5376): 1, ("dense", 5376, 21504): 8,
+                                ("gate_up", 10240, 2560): 2}.items():  # fmt: skip
+        cfg = qm.default_runs_config(kind, n, k)
+        assert (cfg.rows, cfg.warps) == (16, warps), (kind, n, k)
+        plan = qm.plan_runs(kind, n, k)
+        assert plan.grid[0] // plan.threadgroup[0] == -(-n // (8 if kind == "gate_up" else 16))
+        assert dict(plan.template) == {"T": "bfloat16", "NW": warps}
+        assert qm._runs_def(kind, 16).name.endswith("_runs16")
+    with pytest.raises(ValueError, match="no prefetch"):
+        qm.RunsConfig(1, 1, 16)
+    with pytest.raises(ValueError, match="rows"):
+        qm.RunsConfig(1, 0, 12)
     monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "warps=5")
     with pytest.raises(ValueError, match=qm.RUNS_GEOMETRY_ENV):
         qm.default_runs_config("dense", 10, 256)
@@ -403,7 +417,7 @@ def test_registry_lists_every_kernel_with_consistent_cases():
                 ids = mx.array(case.inputs["ids"])
                 ref = qm.moe_down_reference(xm.reshape(*ids.shape, -1), ids, mx.array(case.inputs["wts"]), wq,
                                             ggml_type, n)  # fmt: skip
-            elif spec.name == "g4_q4_0_gate_up_runs":  # a dense gate|up: no ids
+            elif spec.name in ("g4_q4_0_gate_up_runs", "g4_q4_0_gate_up_runs16"):  # a dense gate|up: no ids
                 ref = qm.gate_up_reference(xm, wq, ggml_type, n)
             elif "gate_up" in spec.name:
                 ref = qm.gate_up_gather_reference(xm, mx.array(case.inputs["ids"]), wq, ggml_type, n)
