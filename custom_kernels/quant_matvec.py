@@ -1684,16 +1684,27 @@ _RUNS_BODY_CUDA = r"""
 # phase, the same for every lane). Same K and alignment rules as the 8-row form.
 
 _RUNS16_HEADER_CUDA = r"""
+// 16 bytes through the read-only path; L2P: with the L2::256B prefetch-size hint (the L2 fetches
+// the aligned 256 bytes around it from DRAM, which the warp's neighbouring runs read next)
+template <int L2P>
+__device__ __forceinline__ uint4 g4_ld16(const uint4* p) {
+  if (L2P) {
+    uint4 v;
+    asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+  }
+  return __ldg(p);
+}
 // the 72 bytes of one run (4 blocks) into 18 words; ODD: the run starts 8 bytes past a 16-byte
 // boundary (8-byte load first), else on it (8-byte load last); 2-byte loads off alignment
-template <int ODD>
+template <int ODD, int L2P>
 __device__ __forceinline__ void g4_load_run72(uint32_t (&q)[18], const uint8_t* run, bool aligned) {
   if (aligned) {
     const uint2 e = __ldg(reinterpret_cast<const uint2*>(run + (ODD ? 0 : 64)));
     const uint4* v = reinterpret_cast<const uint4*>(run + (ODD ? 8 : 0));
     constexpr int o = ODD ? 2 : 0;
     _Pragma("unroll") for (int s = 0; s < 4; ++s) {
-      const uint4 w = __ldg(v + s);
+      const uint4 w = g4_ld16<L2P>(v + s);
       q[o + 4 * s] = w.x; q[o + 4 * s + 1] = w.y; q[o + 4 * s + 2] = w.z; q[o + 4 * s + 3] = w.w;
     }
     q[ODD ? 0 : 16] = e.x; q[ODD ? 1 : 17] = e.y;
@@ -1728,7 +1739,7 @@ __device__ __forceinline__ void g4_x8(uint32_t& b0, uint32_t& b1, const uint8_t*
 // Every pair of runs of a warp (j = warp, warp + NW, ...): the 16-row loop of the runs16 kernels.
 // acc: (row g, column 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1); xz: x (lanes g == t) or
 // the zeros, xrun: x bytes per run (256, or 0 for the zeros)
-template <int XA>
+template <int XA, int L2P>
 __device__ __forceinline__ void g4_runs16_loop(float (&acc)[4], const uint8_t* row0, const uint8_t* row1,
                                                const uint8_t* xz, int xrun, int C, int warp, int nw, int g,
                                                int t, bool w_aligned) {
@@ -1740,11 +1751,11 @@ __device__ __forceinline__ void g4_runs16_loop(float (&acc)[4], const uint8_t* r
       const int cc = live ? c : C - 2 + ph;
       uint32_t q0[18], q1[18];
       if (ph) {
-        g4_load_run72<1>(q0, row0 + (size_t)cc * 72, w_aligned);
-        g4_load_run72<1>(q1, row1 + (size_t)cc * 72, w_aligned);
+        g4_load_run72<1, L2P>(q0, row0 + (size_t)cc * 72, w_aligned);
+        g4_load_run72<1, L2P>(q1, row1 + (size_t)cc * 72, w_aligned);
       } else {
-        g4_load_run72<0>(q0, row0 + (size_t)cc * 72, w_aligned);
-        g4_load_run72<0>(q1, row1 + (size_t)cc * 72, w_aligned);
+        g4_load_run72<0, L2P>(q0, row0 + (size_t)cc * 72, w_aligned);
+        g4_load_run72<0, L2P>(q1, row1 + (size_t)cc * 72, w_aligned);
       }
       const uint8_t* xr = xz + (size_t)cc * xrun;
       _Pragma("unroll") for (int b = 0; b < 4; ++b) {
@@ -1771,7 +1782,8 @@ __device__ __forceinline__ void g4_runs16_loop(float (&acc)[4], const uint8_t* r
 }
 """
 
-# Template: T (bfloat16), NW (warps per threadgroup, splitting the pairs of runs). @GU@: 0 dense
+# Template: T (bfloat16), NW (warps per threadgroup, splitting the pairs of runs), L2P (1: weight
+# loads carry the L2::256B prefetch-size hint). @GU@: 0 dense
 # (16 rows per threadgroup), 1 gate|up (gate rows r..r+7 and up rows F+r..F+r+7 -> gelu_tanh(g) * u).
 _RUNS16_BODY_CUDA = r"""
   // gemma4-mlx q4_0 runs16 kernel (CUDA tensor cores, one token, weights as A: 16 rows per warp)
@@ -1800,9 +1812,9 @@ _RUNS16_BODY_CUDA = r"""
   const int xrun = g == t ? 256 : 0;  // bytes of x per run (0: the zeros)
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
   if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
-    g4_runs16_loop<1>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
+    g4_runs16_loop<1, L2P>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
   } else {
-    g4_runs16_loop<0>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
+    g4_runs16_loop<0, L2P>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
   }
   // row g: lanes t = 0, 1 hold its four columns (lanes 2, 3 zeros); add them in a fixed order
   float s0 = acc[0] + acc[1], s1 = acc[2] + acc[3];
@@ -1836,12 +1848,13 @@ RUNS_GEOMETRY_ENV = "GEMMA4_MLX_RUNS_GEOMETRY"
 class RunsConfig:
     """Geometry of the CUDA runs kernels: warps per threadgroup, which split a row set's runs,
     prefetch = 1 to load each lane's next run while computing on the current one (36 registers;
-    8-row form only), and rows: 8 (weights as mma's B operand) or 16 (weights as A, the runs16
-    kernels; not yet run on a GPU, so only through GEMMA4_MLX_RUNS_GEOMETRY=rows=16)."""
+    8-row form only), rows: 8 (weights as mma's B operand) or 16 (weights as A, the runs16
+    kernels), and l2_prefetch = 1 to give the 16-row form's weight loads the L2::256B hint."""
 
     warps: int = 1
     prefetch: int = 0
     rows: int = 8
+    l2_prefetch: int = 0
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8):
@@ -1852,11 +1865,16 @@ class RunsConfig:
             raise ValueError("rows must be 8 or 16")
         if self.rows == 16 and self.prefetch:
             raise ValueError("the 16-row runs kernels have no prefetch")
+        if self.l2_prefetch not in (0, 1) or (self.l2_prefetch and self.rows != 16):
+            raise ValueError("l2_prefetch is 0 or 1, and 1 needs rows=16")
 
 
 RUNS_PREFETCH = 0
 """default_runs_config's prefetch. Off: measured slower on the H200 (125 registers instead of 79;
 gate|up per E4B layer 22.5 -> 34.7 us, per 31B layer 87.3 -> 110.4 us; bench/NOTES.md, session 12)."""
+
+RUNS_L2_PREFETCH = 0
+"""default_runs_config's l2_prefetch for the 16-row form (not yet measured)."""
 
 RUNS_TARGET_WARPS = 2048
 """default_runs_config splits the runs over more warps while the grid has fewer warps than this."""
@@ -1871,7 +1889,8 @@ def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
     warps = 1
     while warps < 8 and 2 * warps <= groups and sets * warps < RUNS_TARGET_WARPS:
         warps *= 2
-    return geometry_override(RunsConfig(warps, RUNS_PREFETCH, rows), RUNS_GEOMETRY_ENV)
+    return geometry_override(RunsConfig(warps, RUNS_PREFETCH, rows, RUNS_L2_PREFETCH if rows == 16 else 0),
+                             RUNS_GEOMETRY_ENV)  # fmt: skip
 
 
 def _runs_sets(kind: str, n: int, rows: int) -> int:
@@ -1891,7 +1910,7 @@ def _runs_def(kind: str, rows: int = 8) -> _KernelDef:
         name = {"dense": "g4_q4_0_matvec_runs", "gate_up": "g4_q4_0_gate_up_runs"}[kind] + suffix
         body = (_RUNS16_BODY_CUDA if rows == 16 else _RUNS_BODY_CUDA).replace("@GU@", "1" if kind == "gate_up" else "0")
         header = prelude("cuda") + _MMA_HEADER_CUDA + _RUNS_HEADER_CUDA + (_RUNS16_HEADER_CUDA if rows == 16 else "")
-        params = ("T", "NW") if rows == 16 else ("T", "NW", "PF")
+        params = ("T", "NW", "L2P") if rows == 16 else ("T", "NW", "PF")
         _KERNEL_DEFS[key] = _KernelDef(name, kind, Q4_0, ("x", "wq"), ("out",), params,
                                        {"metal": ("", ""), "cuda": (header, body)})  # fmt: skip
     return _KERNEL_DEFS[key]
@@ -1904,7 +1923,8 @@ def plan_runs(kind: str, n: int, k: int, config: RunsConfig | None = None) -> La
     cfg = config or default_runs_config(kind, n, k)
     threads = 32 * cfg.warps
     sets = _runs_sets(kind, n, cfg.rows)
-    template = [("T", "bfloat16"), ("NW", cfg.warps)] + ([] if cfg.rows == 16 else [("PF", cfg.prefetch)])
+    template = [("T", "bfloat16"), ("NW", cfg.warps)]
+    template += [("L2P", cfg.l2_prefetch)] if cfg.rows == 16 else [("PF", cfg.prefetch)]
     return LaunchPlan(template, (sets * threads, 1, 1), (threads, 1, 1), (1, n))
 
 
@@ -2355,13 +2375,14 @@ def _runs_cases(kind: str, rows: int = 8):
 
     def make(rng: np.random.Generator):
         if rows == 16:
-            r = lambda warps: RunsConfig(warps, 0, 16)  # noqa: E731
+            r = lambda warps, l2=0: RunsConfig(warps, 0, 16, l2)  # noqa: E731
             if kind == "dense":
                 return [_runs_case(rng, kind, 37, 256, r(1)), _runs_case(rng, kind, 45, 2560, r(2)),
                         _runs_case(rng, kind, 16, 5376, r(4)), _runs_case(rng, kind, 9, 768, r(8)),
-                        _runs_case(rng, kind, 24, 2816, r(1))]  # fmt: skip
+                        _runs_case(rng, kind, 24, 2816, r(1)), _runs_case(rng, kind, 19, 5376, r(2, 1))]  # fmt: skip
             return [_runs_case(rng, kind, 13, 512, r(1)), _runs_case(rng, kind, 6, 2560, r(2)),
-                    _runs_case(rng, kind, 21, 1280, r(4)), _runs_case(rng, kind, 11, 5376, r(1))]  # fmt: skip
+                    _runs_case(rng, kind, 21, 1280, r(4)), _runs_case(rng, kind, 11, 5376, r(1)),
+                    _runs_case(rng, kind, 5, 2816, r(1, 1))]  # fmt: skip
         r = RunsConfig
         if kind == "dense":
             return [_runs_case(rng, kind, 37, 256, r(1)), _runs_case(rng, kind, 45, 2560, r(2)),

@@ -366,7 +366,8 @@ def _misaligned(raw: np.ndarray, offset: int) -> mx.array:
 @pytest.mark.parametrize("n,k", [(2048, 5376), (1003, 2560), (77, 21504), (40, 256)])
 def test_q4_0_runs_kernels(n, k):
     """The one-token runs kernels (dense and gate|up), 8-row form at every warp count with and
-    without the prefetch of the next run, 16-row form at every warp count, on aligned blocks and x
+    without the prefetch of the next run, 16-row form at every warp count (and with the L2
+    prefetch-size hint), on aligned blocks and x
     and on blocks and x that start 2 bytes past a 16-byte boundary (the 2-byte-load fallbacks)."""
     rng = np.random.default_rng(41)
     raw = qm.random_blocks(rng, qm.Q4_0, (n,), k)
@@ -379,9 +380,10 @@ def test_q4_0_runs_kernels(n, k):
     x_off = mx.array(np.concatenate([[0.0], np.array(x.astype(mx.float32))[0]]).astype(np.float32)).astype(
         mx.bfloat16)[1:][None]  # fmt: skip
     assert mx.array_equal(x_off, x).item()
-    for warps, prefetch, rows in ((1, 0, 8), (2, 0, 8), (4, 0, 8), (8, 0, 8), (1, 1, 8), (2, 1, 8), (8, 1, 8),
-                                  (1, 0, 16), (2, 0, 16), (4, 0, 16), (8, 0, 16)):  # fmt: skip
-        cfg = qm.RunsConfig(warps, prefetch, rows)
+    for warps, prefetch, rows, l2 in ((1, 0, 8, 0), (2, 0, 8, 0), (4, 0, 8, 0), (8, 0, 8, 0), (1, 1, 8, 0),
+                                      (2, 1, 8, 0), (8, 1, 8, 0), (1, 0, 16, 0), (2, 0, 16, 0), (4, 0, 16, 0),
+                                      (8, 0, 16, 0), (1, 0, 16, 1), (8, 0, 16, 1)):  # fmt: skip
+        cfg = qm.RunsConfig(warps, prefetch, rows, l2)
         for what, xx, bb, bb2 in (("aligned", x, blocks, mx.array(raw[: 2 * f])),
                                   ("misaligned", x_off, _misaligned(raw, 2), _misaligned(raw[: 2 * f], 2))):  # fmt: skip
             out = qm.launch_dense_runs(xx, bb, n, cfg, init_value=NAN)

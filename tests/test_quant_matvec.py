@@ -202,7 +202,7 @@ def test_runs_plans_and_geometry(monkeypatch):
         assert (cfg.rows, cfg.warps) == (16, warps), (kind, n, k)
         plan = qm.plan_runs(kind, n, k)
         assert plan.grid[0] // plan.threadgroup[0] == -(-n // (8 if kind == "gate_up" else 16))
-        assert dict(plan.template) == {"T": "bfloat16", "NW": warps}
+        assert dict(plan.template) == {"T": "bfloat16", "NW": warps, "L2P": 0}
         assert qm._runs_def(kind, 16).name.endswith("_runs16")
     with pytest.raises(ValueError, match="no prefetch"):
         qm.RunsConfig(1, 1, 16)
