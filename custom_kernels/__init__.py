@@ -51,7 +51,9 @@ model tests in session 8 (the whole `pytest -m gpu` ran at the commit before it:
 in session 11 on its measured gain (E4B +12% at 4K in alternated processes); "gate_up_runs" (a dense
 MLP's one-token gate|up through the Q4_0 runs kernel, CUDA only) passed its operator and model tests
 in session 12 and took the gate|up from 37-45 to 22.5 us per E4B layer and from 102 to 86-90 us per
-31B layer (31B decode at 4K 62.5-63.2 -> 65.0-65.8 tok/s in alternated processes). The exact texts
+31B layer (31B decode at 4K 62.5-63.2 -> 65.0-65.8 tok/s in alternated processes); its 16-row form
+(quant_matvec.RUNS_ROWS) passed the whole `pytest -m gpu` in session 13 and took the 31B gate|up to
+71 us (decode 65.7-67.7 -> 71.3-72.7 tok/s in alternated processes). The exact texts
 that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs"})

@@ -1544,9 +1544,9 @@ def launch_gate_up_stream(x: mx.array, ids: mx.array, blocks: mx.array, f: int,
 # subtraction of 136 (exact q - 8). K must be a multiple of 256; a misaligned base falls back to
 # 2-byte loads inside the kernel. Measured (H200, 12-layer traces, bench/NOTES.md session 12): a
 # dense MLP's gate|up 37-45 -> 22.5 us per E4B layer, 102 -> 86-90 us per 31B layer (family
-# "gate_up_runs", a CUDA default); the dense form is slower than the split-K FMA kernel on the
-# step's other projections (31B q|k|v 33 -> 41 us, down 38 -> 46 us), so "quant_matvec_runs" stays
-# opt-in. Nsight Compute: 79 registers (37.5% occupancy), stalls on L1TEX loads, issue 28-33%.
+# "gate_up_runs"; the 16-row form below has since replaced it as the default); the dense form is
+# slower than the split-K FMA kernel on the step's other projections (31B q|k|v 33 -> 41 us, down
+# 38 -> 46 us), so "quant_matvec_runs" stays opt-in. Nsight Compute: 79 registers (37.5% occupancy), stalls on L1TEX loads, issue 28-33%.
 
 _RUNS_HEADER_CUDA = r"""
 // the 144 bytes of one run (8 blocks) into 36 words: 16-byte loads, or 2-byte loads off alignment
@@ -1681,7 +1681,13 @@ _RUNS_BODY_CUDA = r"""
 # memory (no branch), so D[m][n] is row m's block of the run of lanes t = n. Per mma 16 x 16 weights
 # (twice the 8 x 16 above) and no register copies of x. Each lane alternates between the even and
 # the odd run of a pair (16-byte loads, then an 8-byte one, or the other way round: one layout per
-# phase, the same for every lane). Same K and alignment rules as the 8-row form.
+# phase, the same for every lane). Same K and alignment rules as the 8-row form. SASS: 2.0
+# instructions per weight (the 8-row form ~3); Nsight Compute on the 31B gate|up: 17.2M issued
+# instructions (27.9M), 71 us (95), DRAM 40%, 80 registers, still waiting on loads (10.5 of 17.1
+# cycles per instruction). Measured (H200, bench/NOTES.md session 13): a dense MLP's gate|up per
+# 31B layer 88 -> 71 us, per E4B layer 22.6 -> 20.7 us; the default (RUNS_ROWS). The dense form
+# about equals the split-K kernel on the 31B step's other projections, so quant_matvec_runs stays
+# opt-in.
 
 _RUNS16_HEADER_CUDA = r"""
 // 16 bytes through the read-only path; L2P: with the L2::256B prefetch-size hint (the L2 fetches
@@ -1849,7 +1855,8 @@ class RunsConfig:
     """Geometry of the CUDA runs kernels: warps per threadgroup, which split a row set's runs,
     prefetch = 1 to load each lane's next run while computing on the current one (36 registers;
     8-row form only), rows: 8 (weights as mma's B operand) or 16 (weights as A, the runs16
-    kernels), and l2_prefetch = 1 to give the 16-row form's weight loads the L2::256B hint."""
+    kernels; default_runs_config's choice, RUNS_ROWS), and l2_prefetch = 1 to give the 16-row
+    form's weight loads the L2::256B hint."""
 
     warps: int = 1
     prefetch: int = 0
@@ -1873,17 +1880,25 @@ RUNS_PREFETCH = 0
 """default_runs_config's prefetch. Off: measured slower on the H200 (125 registers instead of 79;
 gate|up per E4B layer 22.5 -> 34.7 us, per 31B layer 87.3 -> 110.4 us; bench/NOTES.md, session 12)."""
 
+RUNS_ROWS = 16
+"""default_runs_config's rows: the 16-row form (weights as mma's A operand). Measured on the H200
+(bench/NOTES.md, session 13): a dense MLP's gate|up per 31B layer 88 -> 71 us, per E4B layer 22.6
+-> 20.7 us; full 31B step at 4K, GPU busy 15.4 -> 14.1 ms; decode in alternated processes 67.7 /
+65.7 -> 72.7 / 71.3 tok/s (31B), E4B unchanged within its spread."""
+
 RUNS_L2_PREFETCH = 0
-"""default_runs_config's l2_prefetch for the 16-row form (not yet measured)."""
+"""default_runs_config's l2_prefetch for the 16-row form. Off: no gain measured (12-layer 31B
+trace, GPU busy 3.14 ms without, 3.16 ms with; bench/NOTES.md, session 13)."""
 
 RUNS_TARGET_WARPS = 2048
 """default_runs_config splits the runs over more warps while the grid has fewer warps than this."""
 
 
 def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
-    """One warp per row set, doubled (up to 8, and no more than a row's groups of 4 runs) while the
-    grid holds fewer than RUNS_TARGET_WARPS warps; GEMMA4_MLX_RUNS_GEOMETRY overrides it."""
-    rows = geometry_fields(RunsConfig(), RUNS_GEOMETRY_ENV).get("rows", RunsConfig.rows)
+    """RUNS_ROWS rows per set, one warp per row set, doubled (up to 8, and no more than a row's
+    1024-weight steps) while the grid holds fewer than RUNS_TARGET_WARPS warps;
+    GEMMA4_MLX_RUNS_GEOMETRY overrides it (rows=8: the 8-row form)."""
+    rows = geometry_fields(RunsConfig(), RUNS_GEOMETRY_ENV).get("rows", RUNS_ROWS)
     sets = _runs_sets(kind, n, rows)
     groups = math.ceil(k / 1024)  # a warp's step: 1024 weights of each of its rows
     warps = 1
@@ -1991,7 +2006,7 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
     [..., F] in x.dtype. One row on a GPU: the expert gate/up kernel with the matrix as the only
     expert (one launch, f32 product rounded once), split K on CUDA (H200 31B step: 97 -> 82 us
     against the stream kernel); for Q4_0 on CUDA with bf16 x and K a multiple of 256 the runs kernel
-    instead (family gate_up_runs: 31B 102 -> 86-90 us, E4B 37-45 -> 22.5 us per layer). 2..8 rows: the
+    instead (family gate_up_runs, 16-row form: 31B 102 -> 71 us, E4B 37-45 -> 20.7 us per layer). 2..8 rows: the
     dense kernel over all 2F rows, then the product in
     f32 from its x.dtype outputs (the expert kernel would re-read the weights per row: 504 us vs
     88 us for three ops at the 31B shape, M = 8). Else the reference. ``one_expert``: the same

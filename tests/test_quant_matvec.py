@@ -176,8 +176,12 @@ def test_stream_plans_and_copy_width():
 
 
 def test_runs_plans_and_geometry(monkeypatch):
-    """Runs kernels: 8 dense rows (4 gate|up pairs) per threadgroup, warps doubled while the grid is
-    small and a row has runs for them, the environment override, and the inputs they refuse."""
+    """Runs kernels: by default the 16-row form; the 8-row form (rows=8): 8 dense rows (4 gate|up
+    pairs) per threadgroup, warps doubled while the grid is small and a row has runs for them, the
+    environment override, and the inputs they refuse."""
+    assert qm.default_runs_config("gate_up", 21504, 5376) == qm.RunsConfig(1, 0, qm.RUNS_ROWS, qm.RUNS_L2_PREFETCH)
+    assert qm.RUNS_ROWS == 16
+    monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "rows=8")
     cases = {("dense", 43008, 5376): 1, ("dense", 5376, 21504): 4, ("dense", 5376, 8192): 4,
              ("gate_up", 10240, 2560): 1, ("dense", 2560, 10240): 8, ("dense", 40, 256): 1}  # fmt: skip
     for (kind, n, k), warps in cases.items():
@@ -194,6 +198,7 @@ def test_runs_plans_and_geometry(monkeypatch):
         qm.RunsConfig(3)
     monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "warps=2")
     assert qm.plan_runs("dense", 43008, 5376).threadgroup == (64, 1, 1)
+    assert qm.default_runs_config("dense", 43008, 5376).rows == 16
     # the 16-row form: 16 dense rows (8 gate|up pairs) per threadgroup, its own kernel, no prefetch
     monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "rows=16")
     for (kind, n, k), warps in {("dense", 43008, 5376): 1, ("dense", 16384, 5376): 2, ("gate_up", 21504, 5376): 1, ("dense", 5376, 21504): 8,
