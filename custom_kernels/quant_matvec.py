@@ -1788,8 +1788,8 @@ __device__ __forceinline__ void g4_runs16_loop(float (&acc)[4], const uint8_t* r
 }
 """
 
-# Template: T (bfloat16), NW (warps per threadgroup, splitting the pairs of runs), L2P (1: weight
-# loads carry the L2::256B prefetch-size hint). @GU@: 0 dense
+# Template: T (bfloat16), NW (warps per threadgroup, splitting the pairs of runs), L2P (1: the
+# 16-byte weight loads carry the L2::256B prefetch-size hint). @GU@: 0 dense
 # (16 rows per threadgroup), 1 gate|up (gate rows r..r+7 and up rows F+r..F+r+7 -> gelu_tanh(g) * u).
 _RUNS16_BODY_CUDA = r"""
   // gemma4-mlx q4_0 runs16 kernel (CUDA tensor cores, one token, weights as A: 16 rows per warp)
@@ -1850,17 +1850,24 @@ RUNS_GEOMETRY_ENV = "GEMMA4_MLX_RUNS_GEOMETRY"
 """RunsConfig fields over default_runs_config's, e.g. "warps=2" (tuning)."""
 
 
+RUNS_ROWS = 16
+"""default_runs_config's rows: the 16-row form (weights as mma's A operand). Measured on the H200
+(bench/NOTES.md, session 13): a dense MLP's gate|up per 31B layer 88 -> 71 us, per E4B layer 22.6
+-> 20.7 us; full 31B step at 4K, GPU busy 15.4 -> 14.1 ms; decode in alternated processes 67.7 /
+65.7 -> 72.7 / 71.3 tok/s (31B), E4B unchanged within its spread."""
+
+
 @dataclass(frozen=True)
 class RunsConfig:
     """Geometry of the CUDA runs kernels: warps per threadgroup, which split a row set's runs,
     prefetch = 1 to load each lane's next run while computing on the current one (36 registers;
     8-row form only), rows: 8 (weights as mma's B operand) or 16 (weights as A, the runs16
-    kernels; default_runs_config's choice, RUNS_ROWS), and l2_prefetch = 1 to give the 16-row
-    form's weight loads the L2::256B hint."""
+    kernels; RUNS_ROWS, the default), and l2_prefetch = 1 to give the 16-row form's 16-byte
+    weight loads the L2::256B hint."""
 
     warps: int = 1
     prefetch: int = 0
-    rows: int = 8
+    rows: int = RUNS_ROWS
     l2_prefetch: int = 0
 
     def __post_init__(self):
@@ -1880,12 +1887,6 @@ RUNS_PREFETCH = 0
 """default_runs_config's prefetch. Off: measured slower on the H200 (125 registers instead of 79;
 gate|up per E4B layer 22.5 -> 34.7 us, per 31B layer 87.3 -> 110.4 us; bench/NOTES.md, session 12)."""
 
-RUNS_ROWS = 16
-"""default_runs_config's rows: the 16-row form (weights as mma's A operand). Measured on the H200
-(bench/NOTES.md, session 13): a dense MLP's gate|up per 31B layer 88 -> 71 us, per E4B layer 22.6
--> 20.7 us; full 31B step at 4K, GPU busy 15.4 -> 14.1 ms; decode in alternated processes 67.7 /
-65.7 -> 72.7 / 71.3 tok/s (31B), E4B unchanged within its spread."""
-
 RUNS_L2_PREFETCH = 0
 """default_runs_config's l2_prefetch for the 16-row form. Off: no gain measured (12-layer 31B
 trace, GPU busy 3.14 ms without, 3.16 ms with; bench/NOTES.md, session 13)."""
@@ -1899,6 +1900,8 @@ def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
     1024-weight steps) while the grid holds fewer than RUNS_TARGET_WARPS warps;
     GEMMA4_MLX_RUNS_GEOMETRY overrides it (rows=8: the 8-row form)."""
     rows = geometry_fields(RunsConfig(), RUNS_GEOMETRY_ENV).get("rows", RUNS_ROWS)
+    if rows not in (8, 16):
+        raise ValueError(f"{RUNS_GEOMETRY_ENV}: rows must be 8 or 16, got {rows}")
     sets = _runs_sets(kind, n, rows)
     groups = math.ceil(k / 1024)  # a warp's step: 1024 weights of each of its rows
     warps = 1
@@ -2398,7 +2401,7 @@ def _runs_cases(kind: str, rows: int = 8):
             return [_runs_case(rng, kind, 13, 512, r(1)), _runs_case(rng, kind, 6, 2560, r(2)),
                     _runs_case(rng, kind, 21, 1280, r(4)), _runs_case(rng, kind, 11, 5376, r(1)),
                     _runs_case(rng, kind, 5, 2816, r(1, 1))]  # fmt: skip
-        r = RunsConfig
+        r = lambda warps, prefetch=0: RunsConfig(warps, prefetch, 8)  # noqa: E731
         if kind == "dense":
             return [_runs_case(rng, kind, 37, 256, r(1)), _runs_case(rng, kind, 45, 2560, r(2)),
                     _runs_case(rng, kind, 16, 5376, r(4)), _runs_case(rng, kind, 9, 768, r(8)),

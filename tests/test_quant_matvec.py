@@ -179,8 +179,12 @@ def test_runs_plans_and_geometry(monkeypatch):
     """Runs kernels: by default the 16-row form; the 8-row form (rows=8): 8 dense rows (4 gate|up
     pairs) per threadgroup, warps doubled while the grid is small and a row has runs for them, the
     environment override, and the inputs they refuse."""
-    assert qm.default_runs_config("gate_up", 21504, 5376) == qm.RunsConfig(1, 0, qm.RUNS_ROWS, qm.RUNS_L2_PREFETCH)
-    assert qm.RUNS_ROWS == 16
+    monkeypatch.delenv(qm.RUNS_GEOMETRY_ENV, raising=False)
+    assert qm.default_runs_config("gate_up", 21504, 5376) == qm.RunsConfig(1, 0, 16, qm.RUNS_L2_PREFETCH)
+    assert qm.RUNS_ROWS == 16 and qm.RunsConfig().rows == 16
+    monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "rows=12")
+    with pytest.raises(ValueError, match=qm.RUNS_GEOMETRY_ENV):
+        qm.default_runs_config("dense", 10, 256)
     monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "rows=8")
     cases = {("dense", 43008, 5376): 1, ("dense", 5376, 21504): 4, ("dense", 5376, 8192): 4,
              ("gate_up", 10240, 2560): 1, ("dense", 2560, 10240): 8, ("dense", 40, 256): 1}  # fmt: skip
