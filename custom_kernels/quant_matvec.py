@@ -1546,7 +1546,8 @@ def launch_gate_up_stream(x: mx.array, ids: mx.array, blocks: mx.array, f: int,
 # dense MLP's gate|up 37-45 -> 22.5 us per E4B layer, 102 -> 86-90 us per 31B layer (family
 # "gate_up_runs"; the 16-row form below has since replaced it as the default); the dense form is
 # slower than the split-K FMA kernel on the step's other projections (31B q|k|v 33 -> 41 us, down
-# 38 -> 46 us), so "quant_matvec_runs" stays opt-in. Nsight Compute: 79 registers (37.5% occupancy), stalls on L1TEX loads, issue 28-33%.
+# 38 -> 46 us), so "quant_matvec_runs" stays opt-in. Nsight Compute: 79 registers (37.5%
+# occupancy), stalls on L1TEX loads, issue 28-33%.
 
 _RUNS_HEADER_CUDA = r"""
 // the 144 bytes of one run (8 blocks) into 36 words: 16-byte loads, or 2-byte loads off alignment
