@@ -303,10 +303,11 @@ def _dtype_bytes(dtype) -> int:
 
 
 def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=None, with_qmm=True, mma=True,
-               stream=True, fma=True, read=False):  # fmt: skip
+               stream=True, fma=True, read=False, runs=True):  # fmt: skip
     """Kernel (and quantized_matmul; and the CUDA tensor-core kernel for Q4_0 bf16 unless mma is
-    False, with its default geometry or the MmaConfig given as mma) at each M in ms on rotating
-    [N, K] weight sets; with read, first the CUDA read probe over the same sets."""
+    False, with its default geometry or the MmaConfig given as mma; and at M = 1 the CUDA runs
+    kernel in its default form unless runs is False) at each M in ms on rotating [N, K] weight
+    sets; with read, first the CUDA read probe over the same sets."""
     rb = qm.row_bytes(ggml_type, k)
     sets = n_sets(n * rb, quick)
     weights = [random_blocks(ggml_type, (n,), k) for _ in range(sets)]
@@ -335,6 +336,12 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
                              **timed(calls, quick, nbytes),
                              config=[scfg.tiles, scfg.warps, scfg.stages, scfg.group_blocks, int(scfg.rotate)],
                              **host_split(calls[:8], quick)))  # fmt: skip  # fmt: skip
+        if (runs and on_gpu and ggml_type == qm.Q4_0 and m == 1 and custom_kernels.backend() == "cuda"
+                and qm.runs_supported(dtype, k)):  # fmt: skip
+            rcfg = qm.default_runs_config("dense", n, k)
+            calls = [lambda w=w: qm.launch_dense_runs(x, w, n, config=rcfg) for w in weights]
+            rows.append(dict(model=model, name=name, impl=f"q4_0_matvec_runs{rcfg.rows}", N=n, K=k, M=m, sets=sets,
+                             **timed(calls, quick, nbytes), config=[rcfg.rows, rcfg.warps]))  # fmt: skip
         if mma and on_gpu and ggml_type == qm.Q4_0 and dtype == mx.bfloat16 and custom_kernels.backend() == "cuda":
             mcfg = mma if isinstance(mma, qm.MmaConfig) else qm.default_mma_config(n)
             calls = [lambda w=w: qm.launch_dense_mma(x, w, n, config=mcfg) for w in weights]
@@ -466,7 +473,8 @@ def sweep(dtype, quick, on_gpu):
                 for lpb in (2, 4):
                     cfg = qm.KernelConfig(r, nsg, lpb)
                     try:
-                        yield dense_case(model, name, qm.Q4_0, n, k, (1,), dtype, quick, on_gpu, cfg, False, False)
+                        yield dense_case(model, name, qm.Q4_0, n, k, (1,), dtype, quick, on_gpu, cfg, False, False,
+                                         runs=False)  # fmt: skip
                     except Exception as exc:  # e.g. a geometry the device rejects
                         yield [dict(model=model, name=name, M=1, config=[r, nsg, lpb], error=str(exc)[:200])]
         if custom_kernels.backend() != "cuda" or dtype != mx.bfloat16:
@@ -475,7 +483,8 @@ def sweep(dtype, quick, on_gpu):
             for warps in (2, 4, 8):
                 mcfg = qm.MmaConfig(tiles, warps)
                 try:
-                    rows = dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, quick, on_gpu, None, False, mcfg)
+                    rows = dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, quick, on_gpu, None, False, mcfg,
+                                      runs=False)  # fmt: skip
                     yield [r for r in rows if r["impl"] == "q4_0_matvec_mma"]
                 except Exception as exc:
                     yield [dict(model=model, name=name, M=8, config=[tiles, warps], error=str(exc)[:200])]
@@ -518,7 +527,7 @@ def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
         try:
             cfg = qm.StreamConfig(*geometry)
             got = dense_case(model, name, qm.Q4_0, n, k, (1, 8), dtype, args.quick, on_gpu, with_qmm=False, mma=False,
-                             stream=cfg, fma=False)  # fmt: skip
+                             stream=cfg, fma=False, runs=False)  # fmt: skip
         except Exception as exc:  # noqa: BLE001  (a geometry the device rejects)
             got = [dict(model=model, name=name, M=1, config=list(geometry), error=str(exc)[:200])]
         add(got, sweep_rows)
