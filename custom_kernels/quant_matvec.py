@@ -1948,8 +1948,8 @@ def plan_runs(kind: str, n: int, k: int, config: RunsConfig | None = None) -> La
 
 
 def _use_runs(x_dtype: mx.Dtype, k: int, family: str) -> bool:
-    """A runs kernel for this one-token Q4_0 call? (opt-in families "quant_matvec_runs" for dense
-    rows and "gate_up_runs" for a dense MLP's gate|up; CUDA only)"""
+    """A runs kernel for this one-token Q4_0 call? (families "gate_up_runs" for a dense MLP's
+    gate|up, a CUDA default, and "quant_matvec_runs" for dense rows, opt-in; CUDA only)"""
     return backend() == "cuda" and runs_supported(x_dtype, k) and use_kernel(family)
 
 
@@ -2009,11 +2009,11 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
     Q4_0 / Q8_0 blocks [2F, ...] whose rows 0..F-1 are gate and F..2F-1 up -> gelu_tanh(gate) * up
     [..., F] in x.dtype. One row on a GPU: the expert gate/up kernel with the matrix as the only
     expert (one launch, f32 product rounded once), split K on CUDA (H200 31B step: 97 -> 82 us
-    against the stream kernel); for Q4_0 on CUDA with bf16 x and K a multiple of 256 the runs kernel
-    instead (family gate_up_runs, 16-row form: 31B 102 -> 71 us, E4B 37-45 -> 20.7 us per layer). 2..8 rows: the
-    dense kernel over all 2F rows, then the product in
-    f32 from its x.dtype outputs (the expert kernel would re-read the weights per row: 504 us vs
-    88 us for three ops at the 31B shape, M = 8). Else the reference. ``one_expert``: the same
+    against the stream kernel); for Q4_0 on CUDA with bf16 x and K a multiple of 256 the runs
+    kernel instead (family gate_up_runs, 16-row form: 31B 102 -> 71 us, E4B 37-45 -> 20.7 us per
+    layer). 2..8 rows: the dense kernel over all 2F rows, then the product in f32 from its x.dtype
+    outputs (the expert kernel would re-read the weights per row: 504 us vs 88 us for three ops at
+    the 31B shape, M = 8). Else the reference. ``one_expert``: the same
     blocks as [1, 2F, row_bytes], evaluated (a caller that keeps it spares the step an expand node)."""
     k = _check_dense(x, blocks, ggml_type, 2 * f)
     if one_expert is not None and one_expert.shape != (1, *blocks.shape):
