@@ -225,7 +225,8 @@ def copy_bandwidth(quick: bool) -> dict:
 
 _READ_KERNEL = None
 _READ_GRID = (2048, 256)  # blocks, threads of the grid-stride order: >= 8 blocks per SM on an H200
-READ_ORDERS = {0: "grid-stride", 1: "warp owns 4 rows, reads them in order", 2: "warp owns 16 rows, 144 B of each per step"}
+READ_ORDERS = {0: "grid-stride", 1: "warp owns 4 rows, reads them in order", 2: "warp owns 16 rows, 144 B of each per step",
+               3: "runs16: lane (g, t) reads 72-byte runs of rows g, g + 8", 4: "warp owns 16 rows, 576 B of each per step"}
 
 
 def read_probe(w: mx.array, order: int = 0) -> mx.array:
@@ -234,7 +235,11 @@ def read_probe(w: mx.array, order: int = 0) -> mx.array:
     multiple of 16). order 0: grid-stride over the whole array (each warp instruction 512
     contiguous bytes); 1: each warp reads its 4 consecutive rows front to back (rows 16-byte
     aligned); 2: the stream matvec's order, each warp 16 rows, a 144-byte piece of each per step
-    (row_bytes a multiple of 144)."""
+    (row_bytes a multiple of 144); 3: the runs16 kernels' order (each warp 16 rows; lane (g, t) reads
+    runs 8j + 2t and 8j + 2t + 1 of rows g and g + 8, 72 bytes each as four 16-byte loads and one
+    8-byte load; rows a multiple of 16, row_bytes of 144); 4: the staged runs16 kernels' order (each
+    warp 16 rows, 576 bytes of each per step, the warp's lanes on consecutive 16-byte words;
+    row_bytes a multiple of 16)."""
     global _READ_KERNEL
     if _READ_KERNEL is None:
         _READ_KERNEL = mx.fast.cuda_kernel(name="g4_bench_read", input_names=["w"], output_names=["o"], source="""
@@ -255,6 +260,38 @@ def read_probe(w: mx.array, order: int = 0) -> mx.array:
   } else if (ORDER == 1) {
     const size_t begin = (gt >> 5) * 4 * rb16, end = min(begin + 4 * rb16, n16);
     _Pragma("unroll 4") for (size_t i = begin + lane; i < end; i += 32) { const uint4 a = __ldg(p + i); acc ^= a.x ^ a.y ^ a.z ^ a.w; }
+  } else if (ORDER == 3) {
+    const uint8_t* wb = reinterpret_cast<const uint8_t*>(w);
+    const size_t rb = (size_t)w_shape[1];
+    const size_t ra = (gt >> 5) * 16 + (lane >> 2);
+    const int t = lane & 3;
+    const int C = (int)(rb / 72);
+    if (ra + 8 < (size_t)w_shape[0]) {
+      for (int j = 0; 8 * j < C; ++j) {
+        _Pragma("unroll") for (int ph = 0; ph < 2; ++ph) {
+          const int c = 8 * j + 2 * t + ph;
+          if (c < C) {
+            _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+              const uint8_t* run = wb + (ra + 8 * h) * rb + (size_t)c * 72;
+              const uint2 e = __ldg(reinterpret_cast<const uint2*>(run + (ph ? 0 : 64)));
+              const uint4* v = reinterpret_cast<const uint4*>(run + (ph ? 8 : 0));
+              acc ^= e.x ^ e.y;
+              _Pragma("unroll") for (int s = 0; s < 4; ++s) { const uint4 a = __ldg(v + s); acc ^= a.x ^ a.y ^ a.z ^ a.w; }
+            }
+          }
+        }
+      }
+    }
+  } else if (ORDER == 4) {
+    const size_t row0 = (gt >> 5) * 16;
+    for (size_t p0 = 0; p0 < rb16; p0 += 36) {
+      const int n = rb16 - p0 < 36 ? (int)(rb16 - p0) : 36;
+      _Pragma("unroll 6") for (int i = lane; i < 16 * 36; i += 32) {
+        const size_t row = row0 + i / 36;
+        const int piece = i % 36;
+        if (piece < n && row < (size_t)w_shape[0]) { const uint4 a = __ldg(p + row * rb16 + p0 + piece); acc ^= a.x ^ a.y ^ a.z ^ a.w; }
+      }
+    }
   } else {
     const size_t row0 = (gt >> 5) * 16;
     const int steps = (int)(rb16 / 9);
@@ -287,7 +324,7 @@ def read_probe_rows(model, name, n, k, weights, quick) -> list[dict]:
     want = np.bitwise_xor.reduce(np.array(w0).reshape(-1).view(np.uint32))
     rows = []
     for order, what in READ_ORDERS.items():
-        if order == 2 and w0.shape[1] % 144:
+        if (order in (2, 3) and w0.shape[1] % 144) or (order == 3 and w0.shape[0] % 16):
             continue
         got = np.bitwise_xor.reduce(np.array(read_probe(w0, order)))
         if w0.nbytes % 16 or got != want:
@@ -338,10 +375,11 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
                              **host_split(calls[:8], quick)))  # fmt: skip  # fmt: skip
         if (runs and on_gpu and ggml_type == qm.Q4_0 and m == 1 and custom_kernels.backend() == "cuda"
                 and qm.runs_supported(dtype, k)):  # fmt: skip
-            rcfg = qm.default_runs_config("dense", n, k)
-            calls = [lambda w=w: qm.launch_dense_runs(x, w, n, config=rcfg) for w in weights]
-            rows.append(dict(model=model, name=name, impl=f"q4_0_matvec_runs{rcfg.rows}", N=n, K=k, M=m, sets=sets,
-                             **timed(calls, quick, nbytes), config=[rcfg.rows, rcfg.warps]))  # fmt: skip
+            for rcfg in runs_variants("dense", n, k):
+                calls = [lambda w=w, c=rcfg: qm.launch_dense_runs(x, w, n, config=c) for w in weights]
+                rows.append(dict(model=model, name=name, impl=_runs_impl("q4_0_matvec", rcfg), N=n, K=k, M=m,
+                                 sets=sets, **timed(calls, quick, nbytes),
+                                 config=[rcfg.rows, rcfg.warps, rcfg.stages]))  # fmt: skip
         if mma and on_gpu and ggml_type == qm.Q4_0 and dtype == mx.bfloat16 and custom_kernels.backend() == "cuda":
             mcfg = mma if isinstance(mma, qm.MmaConfig) else qm.default_mma_config(n)
             calls = [lambda w=w: qm.launch_dense_mma(x, w, n, config=mcfg) for w in weights]
@@ -363,9 +401,33 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
     return rows
 
 
+RUNS_STAGES = (2, 3, 4)
+"""Stage counts of the staged runs16 form timed beside the default runs kernel."""
+
+
+def runs_variants(kind: str, n: int, k: int) -> list:
+    """The default RunsConfig, then the staged 16-row form at each of RUNS_STAGES (default warps,
+    halved until the stage slots fit in static shared memory)."""
+    base = qm.default_runs_config(kind, n, k)
+    out = [base]
+    for stages in RUNS_STAGES:
+        warps = base.warps
+        while warps > 1 and warps * stages * qm.RUNS_STAGE_BYTES > qm.RUNS_SHARED_LIMIT:
+            warps //= 2
+        cfg = qm.RunsConfig(warps, 0, 16, 0, stages)
+        if cfg != base:
+            out.append(cfg)
+    return out
+
+
+def _runs_impl(prefix: str, cfg) -> str:
+    return f"{prefix}_runs{cfg.rows}" + (f"s{cfg.stages}" if cfg.stages else "")
+
+
 def gate_up_case(model, f, k, ms, dtype, quick, on_gpu):
     """A dense MLP's gate and up projections on rotating [2F, K] Q4_0 sets: two matvecs on the row
-    halves + the GeGLU product in MLX ops (the unfused model) vs qm.gate_up (one launch)."""
+    halves + the GeGLU product in MLX ops (the unfused model) vs qm.gate_up (one launch); at M = 1
+    on CUDA also each runs kernel form (runs_variants)."""
     rb = qm.row_bytes(qm.Q4_0, k)
     sets = n_sets(2 * f * rb, quick)
     weights = [random_blocks(qm.Q4_0, (2 * f,), k) for _ in range(sets)]
@@ -380,6 +442,9 @@ def gate_up_case(model, f, k, ms, dtype, quick, on_gpu):
             * qm.quant_matvec(x, w[f:], qm.Q4_0, f),
             "gate_up fused (1 op)": lambda w: qm.gate_up(x, w, qm.Q4_0, f),
         }
+        if m == 1 and on_gpu and custom_kernels.backend() == "cuda" and qm.runs_supported(dtype, k):
+            for rcfg in runs_variants("gate_up", f, k):
+                variants[_runs_impl("gate_up", rcfg)] = lambda w, c=rcfg: qm.launch_gate_up_runs(x, w, f, config=c)
         for impl, fn in variants.items():
             calls = [lambda w=w, fn=fn: fn(w) for w in weights]
             rows.append(dict(model=model, name="ffn_gate+up", impl=impl, N=2 * f, K=k, M=m, sets=sets,

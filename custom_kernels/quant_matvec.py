@@ -1097,7 +1097,7 @@ def launch_dense_mma(x2: mx.array, blocks: mx.array, n: int, config: MmaConfig |
 # whole blocks; the copy width CH needs row_bytes % CH == 0 (host) and a CH-aligned base pointer
 # (checked here; else 2-byte copies). ROT (rotate) measured no gain and is kept off.
 
-_STREAM_HEADER_CUDA = r"""
+_STREAM_CP_ASYNC_CUDA = r"""
 // cp.async: CH bytes global -> shared (16: bypass L1; 4 and 8 only exist with .ca)
 template <int CH> __device__ __forceinline__ void g4_cp_async(uint32_t dst, const uint8_t* src);
 template <> __device__ __forceinline__ void g4_cp_async<16>(uint32_t dst, const uint8_t* src) {
@@ -1118,7 +1118,8 @@ __device__ __forceinline__ void g4_cp_async_commit() { asm volatile("cp.async.co
 template <int N> __device__ __forceinline__ void g4_cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
-// nibbles of bytes {0, 2} (even) or {1, 3} (odd) of u, low or high half -> bf16x2 {q - 8, q - 8}
+"""
+_STREAM_HEADER_CUDA = _STREAM_CP_ASYNC_CUDA + r"""// nibbles of bytes {0, 2} (even) or {1, 3} (odd) of u, low or high half -> bf16x2 {q - 8, q - 8}
 __device__ __forceinline__ uint32_t g4_q4w_lo_even(uint32_t u) { return g4_q4_bf16x2_minus8(u & 0x000F000Fu); }
 __device__ __forceinline__ uint32_t g4_q4w_lo_odd(uint32_t u) { return g4_q4_bf16x2_minus8((u >> 8) & 0x000F000Fu); }
 __device__ __forceinline__ uint32_t g4_q4w_hi_even(uint32_t u) { return g4_q4_bf16x2_minus8((u >> 4) & 0x000F000Fu); }
@@ -1743,14 +1744,39 @@ __device__ __forceinline__ void g4_x8(uint32_t& b0, uint32_t& b1, const uint8_t*
     b1 = (uint32_t)h[2] | ((uint32_t)h[3] << 16);
   }
 }
+// One run of each of rows g (q0) and g + 8 (q1) against x of the run (xr): the 4 blocks' dots, scaled
+// by their d, into acc: (row g, column 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1). live: the run
+// exists (else d = 0 and q0 / q1 hold some other run of the rows, finite)
+template <int XA>
+__device__ __forceinline__ void g4_runs16_run(float (&acc)[4], const uint32_t (&q0)[18], const uint32_t (&q1)[18],
+                                              const uint8_t* xr, bool live, int g, int t) {
+  const int s0 = 4 * g + ((2 * t) & 3);  // the lanes holding the d of columns 2t, 2t + 1 (t < 2)
+  _Pragma("unroll") for (int b = 0; b < 4; ++b) {
+    const float d0 = live ? g4_run72_scale(q0, b) : 0.0f;
+    const float d1 = live ? g4_run72_scale(q1, b) : 0.0f;
+    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    _Pragma("unroll") for (int hi = 0; hi < 2; ++hi) {
+      _Pragma("unroll") for (int w = 0; w < 4; ++w) {  // qs pairs 2w, 2w + 1: weights 4w .. 4w + 3 (+16)
+        uint32_t b0, b1;
+        g4_x8<XA>(b0, b1, xr + 64 * b + 32 * hi + 8 * w);
+        g4_mma_bf16(part, g4_run72_pair(q0, b, 2 * w, hi), g4_run72_pair(q1, b, 2 * w, hi),
+                    g4_run72_pair(q0, b, 2 * w + 1, hi), g4_run72_pair(q1, b, 2 * w + 1, hi), b0, b1);
+      }
+    }
+    // D[m][n]: row m's block b of the run of lanes t = n; its d is on lane (g, n)
+    const float e0 = __shfl_sync(0xFFFFFFFFu, d0, s0), e1 = __shfl_sync(0xFFFFFFFFu, d0, s0 + 1);
+    const float f0 = __shfl_sync(0xFFFFFFFFu, d1, s0), f1 = __shfl_sync(0xFFFFFFFFu, d1, s0 + 1);
+    if (t < 2) {
+      acc[0] += e0 * part[0]; acc[1] += e1 * part[1]; acc[2] += f0 * part[2]; acc[3] += f1 * part[3];
+    }
+  }
+}
 // Every pair of runs of a warp (j = warp, warp + NW, ...): the 16-row loop of the runs16 kernels.
-// acc: (row g, column 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1); xz: x (lanes g == t) or
-// the zeros, xrun: x bytes per run (256, or 0 for the zeros)
+// xz: x (lanes g == t) or the zeros, xrun: x bytes per run (256, or 0 for the zeros)
 template <int XA, int L2P>
 __device__ __forceinline__ void g4_runs16_loop(float (&acc)[4], const uint8_t* row0, const uint8_t* row1,
                                                const uint8_t* xz, int xrun, int C, int warp, int nw, int g,
                                                int t, bool w_aligned) {
-  const int s0 = 4 * g + ((2 * t) & 3);  // the lanes holding the d of columns 2t, 2t + 1 (t < 2)
   for (int j = warp; 8 * j < C; j += nw) {
     _Pragma("unroll") for (int ph = 0; ph < 2; ++ph) {
       const int c = 8 * j + 2 * t + ph;  // run of this lane: even in phase 0, odd in phase 1
@@ -1764,26 +1790,7 @@ __device__ __forceinline__ void g4_runs16_loop(float (&acc)[4], const uint8_t* r
         g4_load_run72<0, L2P>(q0, row0 + (size_t)cc * 72, w_aligned);
         g4_load_run72<0, L2P>(q1, row1 + (size_t)cc * 72, w_aligned);
       }
-      const uint8_t* xr = xz + (size_t)cc * xrun;
-      _Pragma("unroll") for (int b = 0; b < 4; ++b) {
-        const float d0 = live ? g4_run72_scale(q0, b) : 0.0f;
-        const float d1 = live ? g4_run72_scale(q1, b) : 0.0f;
-        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        _Pragma("unroll") for (int hi = 0; hi < 2; ++hi) {
-          _Pragma("unroll") for (int w = 0; w < 4; ++w) {  // qs pairs 2w, 2w + 1: weights 4w .. 4w + 3 (+16)
-            uint32_t b0, b1;
-            g4_x8<XA>(b0, b1, xr + 64 * b + 32 * hi + 8 * w);
-            g4_mma_bf16(part, g4_run72_pair(q0, b, 2 * w, hi), g4_run72_pair(q1, b, 2 * w, hi),
-                        g4_run72_pair(q0, b, 2 * w + 1, hi), g4_run72_pair(q1, b, 2 * w + 1, hi), b0, b1);
-          }
-        }
-        // D[m][n]: row m's block b of the run of lanes t = n; its d is on lane (g, n)
-        const float e0 = __shfl_sync(0xFFFFFFFFu, d0, s0), e1 = __shfl_sync(0xFFFFFFFFu, d0, s0 + 1);
-        const float f0 = __shfl_sync(0xFFFFFFFFu, d1, s0), f1 = __shfl_sync(0xFFFFFFFFu, d1, s0 + 1);
-        if (t < 2) {
-          acc[0] += e0 * part[0]; acc[1] += e1 * part[1]; acc[2] += f0 * part[2]; acc[3] += f1 * part[3];
-        }
-      }
+      g4_runs16_run<XA>(acc, q0, q1, xz + (size_t)cc * xrun, live, g, t);
     }
   }
 }
@@ -1812,18 +1819,13 @@ _RUNS16_BODY_CUDA = r"""
   const uint8_t* row0 = wq + (size_t)(ok0 ? r0 : 0) * row_bytes;
   const uint8_t* row1 = wq + (size_t)(ok1 ? r1 : 0) * row_bytes;
   const bool w_aligned = (reinterpret_cast<uintptr_t>(wq) & 15u) == 0;
-  __shared__ uint32_t zeros_s[64];  // B of the lanes g != t: one run's x bytes, all zero
+  __shared__ __align__(16) uint32_t zeros_s[64];  // B of the lanes g != t: one run's x bytes, all zero
   for (int i = (int)threadIdx.x; i < 64; i += 32 * NW) zeros_s[i] = 0u;
   __syncthreads();
   const uint8_t* xz = g == t ? reinterpret_cast<const uint8_t*>(x) : reinterpret_cast<const uint8_t*>(zeros_s);
   const int xrun = g == t ? 256 : 0;  // bytes of x per run (0: the zeros)
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
-  if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
-    g4_runs16_loop<1, L2P>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
-  } else {
-    g4_runs16_loop<0, L2P>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
-  }
-  // row g: lanes t = 0, 1 hold its four columns (lanes 2, 3 zeros); add them in a fixed order
+@LOOP@  // row g: lanes t = 0, 1 hold its four columns (lanes 2, 3 zeros); add them in a fixed order
   float s0 = acc[0] + acc[1], s1 = acc[2] + acc[3];
   s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 1);
   s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 1);
@@ -1847,6 +1849,119 @@ _RUNS16_BODY_CUDA = r"""
 """
 
 
+_RUNS16_LOOP = r"""  if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
+    g4_runs16_loop<1, L2P>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
+  } else {
+    g4_runs16_loop<0, L2P>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
+  }
+"""
+
+# The staged 16-row form (RunsConfig.stages = STG >= 2, kernels g4_q4_0_matvec_runs16s /
+# g4_q4_0_gate_up_runs16s): the same arithmetic (bit for bit), but the weights reach the lanes
+# through shared memory. runs16's lanes each read their own 72-byte runs, so every 16-byte load
+# instruction of a warp touches 32 rows' worth of scattered half-sectors: Nsight Compute had L1/TEX
+# at 76% of its throughput, 58% excess sectors and an L1 hit rate of 63% on the 31B gate|up. Here a
+# warp copies 576 bytes (8 runs) of each of its 16 rows per step with 16-byte cp.async, its lanes on
+# consecutive words of a row (512 contiguous bytes per copy instruction), STG - 1 steps ahead, and
+# the lanes then read their runs from shared memory in runs16's layout (rows 576 bytes apart: the
+# 16-byte reads of a quarter warp fall in distinct banks). Blocks whose base is not 16-byte aligned
+# take runs16's loop (2-byte loads).
+
+_RUNS16S_HEADER_CUDA = r"""
+// the 72 bytes of one run from shared memory, in g4_load_run72's layout (ODD: 8 bytes past 16)
+template <int ODD>
+__device__ __forceinline__ void g4_lds_run72(uint32_t (&q)[18], const uint8_t* run) {
+  const uint2 e = *reinterpret_cast<const uint2*>(run + (ODD ? 0 : 64));
+  const uint4* v = reinterpret_cast<const uint4*>(run + (ODD ? 8 : 0));
+  constexpr int o = ODD ? 2 : 0;
+  _Pragma("unroll") for (int s = 0; s < 4; ++s) {
+    const uint4 w = v[s];
+    q[o + 4 * s] = w.x; q[o + 4 * s + 1] = w.y; q[o + 4 * s + 2] = w.z; q[o + 4 * s + 3] = w.w;
+  }
+  q[ODD ? 0 : 16] = e.x; q[ODD ? 1 : 17] = e.y;
+}
+// runs16's loop with the weights staged: step j (j = warp, warp + nw, ...) holds bytes 576 j ..
+// 576 j + 575 of each of the 16 rows (A row r: weight row (r < 8 ? base0 : base1) + r % 8 when
+// r % 8 < lim0 / lim1, else row 0: finite, never stored), rows 576 bytes apart, in stage slot
+// u % STG of this warp's u-th step. Rows must start 16-byte aligned.
+template <int XA, int STG>
+__device__ __forceinline__ void g4_runs16_staged_loop(float (&acc)[4], uint8_t* stage, const uint8_t* wq,
+                                                      int row_bytes, int base0, int lim0, int base1, int lim1,
+                                                      const uint8_t* xz, int xrun, int C, int warp, int nw,
+                                                      int g, int t, int lane) {
+  constexpr int RS = 576;      // bytes of a row per step
+  constexpr int SB = 16 * RS;  // bytes of a stage slot
+  const int nsteps = (C + 7) / 8;
+  const uint32_t stage_addr = g4_shared_addr(stage);
+  auto issue = [&](int j, int slot) {
+    if (j >= nsteps) return;
+    const int n16 = min(RS / 16, (row_bytes - RS * j) >> 4);  // 16-byte words of each row in step j
+    int r = lane / 36, p = lane % 36;                          // word i = 36 r + p, i = lane + 32 k
+    _Pragma("unroll 1") for (int k = 0; k < 16 * RS / 16 / 32; ++k) {
+      if (p < n16) {
+        const int h = r >> 3, rr = r & 7;
+        const int wr = rr < (h ? lim1 : lim0) ? (h ? base1 : base0) + rr : 0;
+        g4_cp_async<16>(stage_addr + (uint32_t)(slot * SB + r * RS + 16 * p),
+                        wq + (size_t)wr * row_bytes + RS * j + 16 * p);
+      }
+      p += 32;
+      if (p >= RS / 16) { p -= RS / 16; ++r; }
+    }
+  };
+  _Pragma("unroll") for (int u = 0; u < STG - 1; ++u) { issue(warp + nw * u, u); g4_cp_async_commit(); }
+  for (int u = 0; warp + nw * u < nsteps; ++u) {
+    const int j = warp + nw * u;
+    issue(j + nw * (STG - 1), (u + STG - 1) % STG);
+    g4_cp_async_commit();
+    g4_cp_async_wait<STG - 1>();  // step u's copies of this lane have landed ...
+    __syncwarp();                 // ... and every lane's
+    const uint8_t* S = stage + (u % STG) * SB;
+    _Pragma("unroll") for (int ph = 0; ph < 2; ++ph) {
+      const int c = 8 * j + 2 * t + ph;  // run of this lane: even in phase 0, odd in phase 1
+      const bool live = c < C;
+      const int cc = live ? c : C - 2 + ph;
+      const uint8_t* run0 = S + g * RS + (cc - 8 * j) * 72;
+      uint32_t q0[18], q1[18];
+      if (ph) {
+        g4_lds_run72<1>(q0, run0);
+        g4_lds_run72<1>(q1, run0 + 8 * RS);
+      } else {
+        g4_lds_run72<0>(q0, run0);
+        g4_lds_run72<0>(q1, run0 + 8 * RS);
+      }
+      g4_runs16_run<XA>(acc, q0, q1, xz + (size_t)cc * xrun, live, g, t);
+    }
+    __syncwarp();  // every lane has read the slot before a later step refills it
+  }
+}
+"""
+
+_RUNS16S_LOOP = r"""  __shared__ __align__(16) uint8_t stage_s[NW * STG * 16 * 576];
+  const int lim0 = min(8, max(0, N - out0));
+  const int base1 = GU ? N + out0 : out0 + 8;
+  const int lim1 = GU ? lim0 : min(8, max(0, NR - out0 - 8));
+  uint8_t* stage = stage_s + warp * STG * 16 * 576;
+  if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
+    if (w_aligned) {
+      g4_runs16_staged_loop<1, STG>(acc, stage, wq, row_bytes, out0, lim0, base1, lim1, xz, xrun, C, warp, NW, g, t, lane);
+    } else {
+      g4_runs16_loop<1, 0>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
+    }
+  } else if (w_aligned) {
+    g4_runs16_staged_loop<0, STG>(acc, stage, wq, row_bytes, out0, lim0, base1, lim1, xz, xrun, C, warp, NW, g, t, lane);
+  } else {
+    g4_runs16_loop<0, 0>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
+  }
+"""
+
+RUNS_STAGE_BYTES = 16 * 576
+"""Shared memory of one stage slot of a staged runs16 warp (576 bytes of each of 16 rows)."""
+RUNS_SHARED_LIMIT = 48 * 1024
+"""Static shared memory per threadgroup on CUDA: warps x stages x RUNS_STAGE_BYTES stay below it."""
+RUNS_STAGES = 0
+"""default_runs_config's stages for the 16-row form: 0 (runs16 itself) until the staged form is
+measured on a GPU."""
+
 RUNS_GEOMETRY_ENV = "GEMMA4_MLX_RUNS_GEOMETRY"
 """RunsConfig fields over default_runs_config's, e.g. "warps=2" (tuning)."""
 
@@ -1863,13 +1978,15 @@ class RunsConfig:
     """Geometry of the CUDA runs kernels: warps per threadgroup, which split a row set's runs,
     prefetch = 1 to load each lane's next run while computing on the current one (36 registers;
     8-row form only), rows: 8 (weights as mma's B operand) or 16 (weights as A, the runs16
-    kernels; RUNS_ROWS, the default), and l2_prefetch = 1 to give the 16-row form's 16-byte
-    weight loads the L2::256B hint."""
+    kernels; RUNS_ROWS, the default), l2_prefetch = 1 to give the 16-row form's 16-byte
+    weight loads the L2::256B hint, and stages = STG >= 2 for the staged 16-row form (weights
+    through shared memory, STG - 1 steps of 576 bytes per row copied ahead; 0: runs16 itself)."""
 
     warps: int = 1
     prefetch: int = 0
     rows: int = RUNS_ROWS
     l2_prefetch: int = 0
+    stages: int = 0
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8):
@@ -1882,6 +1999,11 @@ class RunsConfig:
             raise ValueError("the 16-row runs kernels have no prefetch")
         if self.l2_prefetch not in (0, 1) or (self.l2_prefetch and self.rows != 16):
             raise ValueError("l2_prefetch is 0 or 1, and 1 needs rows=16")
+        if self.stages not in (0, 2, 3, 4) or (self.stages and (self.rows != 16 or self.l2_prefetch)):
+            raise ValueError("stages is 0, 2, 3 or 4, and staging needs rows=16 without l2_prefetch")
+        if self.warps * self.stages * RUNS_STAGE_BYTES > RUNS_SHARED_LIMIT:
+            raise ValueError(f"{self.warps} warps x {self.stages} stages x {RUNS_STAGE_BYTES} bytes exceed "
+                             f"{RUNS_SHARED_LIMIT} bytes of static shared memory")  # fmt: skip
 
 
 RUNS_PREFETCH = 0
@@ -1903,13 +2025,15 @@ def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
     rows = geometry_fields(RunsConfig(), RUNS_GEOMETRY_ENV).get("rows", RUNS_ROWS)
     if rows not in (8, 16):
         raise ValueError(f"{RUNS_GEOMETRY_ENV}: rows must be 8 or 16, got {rows}")
+    stages = geometry_fields(RunsConfig(), RUNS_GEOMETRY_ENV).get("stages", RUNS_STAGES if rows == 16 else 0)
     sets = _runs_sets(kind, n, rows)
     groups = math.ceil(k / 1024)  # a warp's step: 1024 weights of each of its rows
     warps = 1
-    while warps < 8 and 2 * warps <= groups and sets * warps < RUNS_TARGET_WARPS:
+    while (warps < 8 and 2 * warps <= groups and sets * warps < RUNS_TARGET_WARPS
+           and 2 * warps * stages * RUNS_STAGE_BYTES <= RUNS_SHARED_LIMIT):  # fmt: skip
         warps *= 2
-    return geometry_override(RunsConfig(warps, RUNS_PREFETCH, rows, RUNS_L2_PREFETCH if rows == 16 else 0),
-                             RUNS_GEOMETRY_ENV)  # fmt: skip
+    l2 = RUNS_L2_PREFETCH if rows == 16 and not stages else 0
+    return geometry_override(RunsConfig(warps, RUNS_PREFETCH, rows, l2, stages), RUNS_GEOMETRY_ENV)
 
 
 def _runs_sets(kind: str, n: int, rows: int) -> int:
@@ -1922,14 +2046,17 @@ def runs_supported(x_dtype: mx.Dtype, k: int) -> bool:
     return x_dtype == mx.bfloat16 and k > 0 and k % 256 == 0
 
 
-def _runs_def(kind: str, rows: int = 8) -> _KernelDef:
-    key = (Q4_0, f"runs{rows}_{kind}")
+def _runs_def(kind: str, rows: int = 8, staged: bool = False) -> _KernelDef:
+    key = (Q4_0, f"runs{rows}{'s' if staged else ''}_{kind}")
     if key not in _KERNEL_DEFS:
-        suffix = "16" if rows == 16 else ""
+        suffix = ("16s" if staged else "16") if rows == 16 else ""
         name = {"dense": "g4_q4_0_matvec_runs", "gate_up": "g4_q4_0_gate_up_runs"}[kind] + suffix
         body = (_RUNS16_BODY_CUDA if rows == 16 else _RUNS_BODY_CUDA).replace("@GU@", "1" if kind == "gate_up" else "0")
-        header = prelude("cuda") + _MMA_HEADER_CUDA + _RUNS_HEADER_CUDA + (_RUNS16_HEADER_CUDA if rows == 16 else "")
-        params = ("T", "NW", "L2P") if rows == 16 else ("T", "NW", "PF")
+        body = body.replace("@LOOP@", _RUNS16S_LOOP if staged else _RUNS16_LOOP)
+        header = prelude("cuda") + _MMA_HEADER_CUDA + _RUNS_HEADER_CUDA
+        if rows == 16:
+            header += _RUNS16_HEADER_CUDA + (_STREAM_CP_ASYNC_CUDA + _RUNS16S_HEADER_CUDA if staged else "")
+        params = (("T", "NW", "STG") if staged else ("T", "NW", "L2P")) if rows == 16 else ("T", "NW", "PF")
         _KERNEL_DEFS[key] = _KernelDef(name, kind, Q4_0, ("x", "wq"), ("out",), params,
                                        {"metal": ("", ""), "cuda": (header, body)})  # fmt: skip
     return _KERNEL_DEFS[key]
@@ -1943,7 +2070,10 @@ def plan_runs(kind: str, n: int, k: int, config: RunsConfig | None = None) -> La
     threads = 32 * cfg.warps
     sets = _runs_sets(kind, n, cfg.rows)
     template = [("T", "bfloat16"), ("NW", cfg.warps)]
-    template += [("L2P", cfg.l2_prefetch)] if cfg.rows == 16 else [("PF", cfg.prefetch)]
+    if cfg.rows == 16:
+        template += [("STG", cfg.stages)] if cfg.stages else [("L2P", cfg.l2_prefetch)]
+    else:
+        template += [("PF", cfg.prefetch)]
     return LaunchPlan(template, (sets * threads, 1, 1), (threads, 1, 1), (1, n))
 
 
@@ -1973,7 +2103,7 @@ def _launch_runs(kind: str, x: mx.array, blocks: mx.array, rows: int, n: int, co
     if math.prod(x.shape[:-1]) != 1:
         raise ValueError(f"the runs kernels take one token, got x of shape {x.shape}")
     cfg = config or default_runs_config(kind, n, x.shape[-1])
-    return _run(_runs_def(kind, cfg.rows), [x, blocks], plan_runs(kind, n, x.shape[-1], cfg), x.dtype, init_value,
+    return _run(_runs_def(kind, cfg.rows, cfg.stages > 0), [x, blocks], plan_runs(kind, n, x.shape[-1], cfg), x.dtype, init_value,
                 out_shape)  # fmt: skip
 
 
@@ -2388,11 +2518,21 @@ def _runs_case(rng, kind, n, k, config):
                                label=f"{kind} N={n} K={k} {config}")
 
 
-def _runs_cases(kind: str, rows: int = 8):
+def _runs_cases(kind: str, rows: int = 8, staged: bool = False):
     """Odd row counts (a partial last row set), one run per row (three lanes of four idle), a
-    partial last group of runs (K = 2560, 5376), more warps than groups (idle warps)."""
+    partial last group of runs (K = 2560, 5376), more warps than groups (idle warps); staged: every
+    stage count, a last step of 2 runs (K = 5376), more warps than steps."""
 
     def make(rng: np.random.Generator):
+        if staged:
+            r = lambda warps, stages: RunsConfig(warps, 0, 16, 0, stages)  # noqa: E731
+            if kind == "dense":
+                return [_runs_case(rng, kind, 37, 256, r(1, 2)), _runs_case(rng, kind, 45, 2560, r(2, 2)),
+                        _runs_case(rng, kind, 16, 5376, r(1, 3)), _runs_case(rng, kind, 9, 768, r(1, 4)),
+                        _runs_case(rng, kind, 24, 2816, r(1, 2)), _runs_case(rng, kind, 19, 5376, r(2, 2))]  # fmt: skip
+            return [_runs_case(rng, kind, 13, 512, r(1, 2)), _runs_case(rng, kind, 6, 2560, r(2, 2)),
+                    _runs_case(rng, kind, 21, 1280, r(1, 4)), _runs_case(rng, kind, 11, 5376, r(1, 3)),
+                    _runs_case(rng, kind, 5, 2816, r(1, 2))]  # fmt: skip
         if rows == 16:
             r = lambda warps, l2=0: RunsConfig(warps, 0, 16, l2)  # noqa: E731
             if kind == "dense":
@@ -2424,11 +2564,11 @@ def kernel_specs():
         sdef = _stream_def(kind)
         specs.append(KernelSpec(sdef.name, sdef.input_names, sdef.output_names, "", "", *sdef.text["cuda"],
                                 _stream_cases(kind)))  # fmt: skip
-    for rows in (8, 16):
+    for rows, staged in ((8, False), (16, False), (16, True)):
         for kind in ("dense", "gate_up"):  # CUDA only: no Metal text
-            rdef = _runs_def(kind, rows)
+            rdef = _runs_def(kind, rows, staged)
             specs.append(KernelSpec(rdef.name, rdef.input_names, rdef.output_names, "", "", *rdef.text["cuda"],
-                                    _runs_cases(kind, rows)))  # fmt: skip
+                                    _runs_cases(kind, rows, staged)))  # fmt: skip
     for ggml_type, kind in _ALL_KERNELS:
         kdef = _kernel_def(ggml_type, kind)
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
