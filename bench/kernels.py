@@ -401,7 +401,7 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
     return rows
 
 
-RUNS_STAGES = (2, 3, 4)
+RUNS_STAGES = (1, 2, 3)
 """Stage counts of the staged runs16 form timed beside the default runs kernel."""
 
 

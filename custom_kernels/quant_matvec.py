@@ -1856,106 +1856,109 @@ _RUNS16_LOOP = r"""  if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
   }
 """
 
-# The staged 16-row form (RunsConfig.stages = STG >= 2, kernels g4_q4_0_matvec_runs16s /
-# g4_q4_0_gate_up_runs16s): the same arithmetic (bit for bit), but the weights reach the lanes
-# through shared memory. runs16's lanes each read their own 72-byte runs, so every 16-byte load
-# instruction of a warp touches 32 rows' worth of scattered half-sectors: Nsight Compute had L1/TEX
-# at 76% of its throughput, 58% excess sectors and an L1 hit rate of 63% on the 31B gate|up. Here a
-# warp copies 576 bytes (8 runs) of each of its 16 rows per step with 16-byte cp.async, its lanes on
-# consecutive words of a row (512 contiguous bytes per copy instruction), STG - 1 steps ahead, and
-# the lanes then read their runs from shared memory in runs16's layout (rows 576 bytes apart: the
-# 16-byte reads of a quarter warp fall in distinct banks). Blocks whose base is not 16-byte aligned
+# The staged 16-row form (RunsConfig.stages = STG >= 1, kernels g4_q4_0_matvec_runs16s /
+# g4_q4_0_gate_up_runs16s): runs16's arithmetic, but the weights reach the lanes through shared
+# memory. runs16's lanes each read their own 72-byte runs, so every 16-byte load instruction of a
+# warp touches 32 rows' worth of scattered half-sectors: Nsight Compute had L1/TEX at 76-81% of its
+# throughput, 58% excess sectors and a 63% L1 hit rate on the 31B gate|up, and a read-only probe in
+# that order reaches 49.5% of copy (bench/NOTES.md, session 14). Here a step is 4 consecutive runs
+# (288 bytes) of each of the warp's 16 rows: the warp copies it with 8-byte cp.async, a row per copy
+# instruction (256 contiguous bytes; a probe in this kind of order: 86%), into a slot where every
+# run starts 16-byte aligned (80 bytes per run, 320 per row: a quarter warp's 16-byte reads fall in
+# distinct banks); lane (g, t) then takes run t of rows g and g + 8 into registers and the slot is
+# refilled with the step STG ahead while the lane computes. Blocks whose base is not 8-byte aligned
 # take runs16's loop (2-byte loads).
 
 _RUNS16S_HEADER_CUDA = r"""
-// the 72 bytes of one run from shared memory, in g4_load_run72's layout (ODD: 8 bytes past 16)
-template <int ODD>
+// the 72 bytes of one run from shared memory (16-byte aligned): four 16-byte reads, one 8-byte
 __device__ __forceinline__ void g4_lds_run72(uint32_t (&q)[18], const uint8_t* run) {
-  const uint2 e = *reinterpret_cast<const uint2*>(run + (ODD ? 0 : 64));
-  const uint4* v = reinterpret_cast<const uint4*>(run + (ODD ? 8 : 0));
-  constexpr int o = ODD ? 2 : 0;
+  const uint4* v = reinterpret_cast<const uint4*>(run);
   _Pragma("unroll") for (int s = 0; s < 4; ++s) {
     const uint4 w = v[s];
-    q[o + 4 * s] = w.x; q[o + 4 * s + 1] = w.y; q[o + 4 * s + 2] = w.z; q[o + 4 * s + 3] = w.w;
+    q[4 * s] = w.x; q[4 * s + 1] = w.y; q[4 * s + 2] = w.z; q[4 * s + 3] = w.w;
   }
-  q[ODD ? 0 : 16] = e.x; q[ODD ? 1 : 17] = e.y;
+  const uint2 e = *reinterpret_cast<const uint2*>(run + 64);
+  q[16] = e.x; q[17] = e.y;
 }
-// runs16's loop with the weights staged: step j (j = warp, warp + nw, ...) holds bytes 576 j ..
-// 576 j + 575 of each of the 16 rows (A row r: weight row (r < 8 ? base0 : base1) + r % 8 when
-// r % 8 < lim0 / lim1, else row 0: finite, never stored), rows 576 bytes apart, in stage slot
-// u % STG of this warp's u-th step. Rows must start 16-byte aligned.
+// runs16's work with the weights staged: this warp's steps s = warp, warp + nw, ... each hold runs
+// 4 s .. 4 s + 3 of the 16 rows (A row r: weight row (r < 8 ? base0 : base1) + r % 8 when r % 8 <
+// lim0 / lim1, else row 0: finite, never stored), its u-th step in slot u % STG (run k of row r at
+// byte 320 r + 80 k). Needs 8-byte aligned rows (row_bytes = 72 C always is).
 template <int XA, int STG>
 __device__ __forceinline__ void g4_runs16_staged_loop(float (&acc)[4], uint8_t* stage, const uint8_t* wq,
                                                       int row_bytes, int base0, int lim0, int base1, int lim1,
                                                       const uint8_t* xz, int xrun, int C, int warp, int nw,
                                                       int g, int t, int lane) {
-  constexpr int RS = 576;      // bytes of a row per step
-  constexpr int SB = 16 * RS;  // bytes of a stage slot
-  const int nsteps = (C + 7) / 8;
+  constexpr int SB = 16 * 320;  // bytes of a slot
+  const int nsteps = (C + 3) / 4;
   const uint32_t stage_addr = g4_shared_addr(stage);
-  auto issue = [&](int j, int slot) {
-    if (j >= nsteps) return;
-    const int n16 = min(RS / 16, (row_bytes - RS * j) >> 4);  // 16-byte words of each row in step j
-    int r = lane / 36, p = lane % 36;                          // word i = 36 r + p, i = lane + 32 k
-    _Pragma("unroll 1") for (int k = 0; k < 16 * RS / 16 / 32; ++k) {
-      if (p < n16) {
-        const int h = r >> 3, rr = r & 7;
-        const int wr = rr < (h ? lim1 : lim0) ? (h ? base1 : base0) + rr : 0;
-        g4_cp_async<16>(stage_addr + (uint32_t)(slot * SB + r * RS + 16 * p),
-                        wq + (size_t)wr * row_bytes + RS * j + 16 * p);
-      }
-      p += 32;
-      if (p >= RS / 16) { p -= RS / 16; ++r; }
+  // piece q (8 bytes) of a row's step: run q / 9, byte 8 (q % 9) of it; lane l copies pieces l and
+  // (tail) 32 + l % 4, the latter of row 8 h + l / 4 in copy 16 + h
+  const int dst_main = 80 * (lane / 9) + 8 * (lane % 9);
+  const int q_tail = 32 + (lane & 3);
+  const int dst_tail = 80 * 3 + 8 * (q_tail - 27);
+  auto issue = [&](int st, int slot) {
+    if (st >= nsteps) return;
+    const int nq = 9 * min(4, C - 4 * st);  // pieces of each row in this step
+    const uint32_t dst = stage_addr + (uint32_t)(slot * SB);
+    const uint8_t* src = wq + (size_t)288 * st;
+    // the empty asm re-derives the row pointers per step: hoisting 16 of them out of the loop
+    // would cost 32 registers
+    int b0 = base0, b1 = base1, l0 = lim0, l1 = lim1, rb = row_bytes;
+    asm volatile("" : "+r"(b0), "+r"(b1), "+r"(l0), "+r"(l1), "+r"(rb));
+    auto row_off = [&](int r) -> size_t {
+      const int rr = r & 7;
+      return (size_t)(r < 8 ? (rr < l0 ? b0 + rr : 0) : (rr < l1 ? b1 + rr : 0)) * rb;
+    };
+    _Pragma("unroll") for (int r = 0; r < 16; ++r) {
+      if (lane < nq) g4_cp_async<8>(dst + (uint32_t)(320 * r + dst_main), src + row_off(r) + 8 * lane);
+    }
+    _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+      const int r = 8 * h + (lane >> 2);
+      if (q_tail < nq) g4_cp_async<8>(dst + (uint32_t)(320 * r + dst_tail), src + row_off(r) + 8 * q_tail);
     }
   };
-  _Pragma("unroll") for (int u = 0; u < STG - 1; ++u) { issue(warp + nw * u, u); g4_cp_async_commit(); }
+  _Pragma("unroll") for (int u = 0; u < STG; ++u) { issue(warp + nw * u, u); g4_cp_async_commit(); }
   for (int u = 0; warp + nw * u < nsteps; ++u) {
-    const int j = warp + nw * u;
-    issue(j + nw * (STG - 1), (u + STG - 1) % STG);
-    g4_cp_async_commit();
+    const int st = warp + nw * u;
     g4_cp_async_wait<STG - 1>();  // step u's copies of this lane have landed ...
     __syncwarp();                 // ... and every lane's
-    const uint8_t* S = stage + (u % STG) * SB;
-    _Pragma("unroll") for (int ph = 0; ph < 2; ++ph) {
-      const int c = 8 * j + 2 * t + ph;  // run of this lane: even in phase 0, odd in phase 1
-      const bool live = c < C;
-      const int cc = live ? c : C - 2 + ph;
-      const uint8_t* run0 = S + g * RS + (cc - 8 * j) * 72;
-      uint32_t q0[18], q1[18];
-      if (ph) {
-        g4_lds_run72<1>(q0, run0);
-        g4_lds_run72<1>(q1, run0 + 8 * RS);
-      } else {
-        g4_lds_run72<0>(q0, run0);
-        g4_lds_run72<0>(q1, run0 + 8 * RS);
-      }
-      g4_runs16_run<XA>(acc, q0, q1, xz + (size_t)cc * xrun, live, g, t);
-    }
-    __syncwarp();  // every lane has read the slot before a later step refills it
+    const int c = 4 * st + t;     // run of this lane
+    const bool live = c < C;
+    const int k = live ? t : t - 2;  // a step holds 4 runs or (the last) 2
+    const uint8_t* run0 = stage + (u % STG) * SB + 320 * g + 80 * k;
+    uint32_t q0[18], q1[18];
+    g4_lds_run72(q0, run0);
+    g4_lds_run72(q1, run0 + 8 * 320);
+    __syncwarp();  // every lane has read the slot: refill it
+    issue(st + nw * STG, u % STG);
+    g4_cp_async_commit();
+    g4_runs16_run<XA>(acc, q0, q1, xz + (size_t)(4 * st + k) * xrun, live, g, t);
   }
 }
 """
 
-_RUNS16S_LOOP = r"""  __shared__ __align__(16) uint8_t stage_s[NW * STG * 16 * 576];
+_RUNS16S_LOOP = r"""  __shared__ __align__(16) uint8_t stage_s[NW * STG * 16 * 320];
   const int lim0 = min(8, max(0, N - out0));
   const int base1 = GU ? N + out0 : out0 + 8;
   const int lim1 = GU ? lim0 : min(8, max(0, NR - out0 - 8));
-  uint8_t* stage = stage_s + warp * STG * 16 * 576;
+  uint8_t* stage = stage_s + warp * STG * 16 * 320;
+  const bool w8 = (reinterpret_cast<uintptr_t>(wq) & 7u) == 0;
   if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
-    if (w_aligned) {
+    if (w8) {
       g4_runs16_staged_loop<1, STG>(acc, stage, wq, row_bytes, out0, lim0, base1, lim1, xz, xrun, C, warp, NW, g, t, lane);
     } else {
       g4_runs16_loop<1, 0>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
     }
-  } else if (w_aligned) {
+  } else if (w8) {
     g4_runs16_staged_loop<0, STG>(acc, stage, wq, row_bytes, out0, lim0, base1, lim1, xz, xrun, C, warp, NW, g, t, lane);
   } else {
     g4_runs16_loop<0, 0>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
   }
 """
 
-RUNS_STAGE_BYTES = 16 * 576
-"""Shared memory of one stage slot of a staged runs16 warp (576 bytes of each of 16 rows)."""
+RUNS_STAGE_BYTES = 16 * 320
+"""Shared memory of one stage slot of a staged runs16 warp (4 runs of 16 rows, 80 bytes per run)."""
 RUNS_SHARED_LIMIT = 48 * 1024
 """Static shared memory per threadgroup on CUDA: warps x stages x RUNS_STAGE_BYTES stay below it."""
 RUNS_STAGES = 0
@@ -1979,8 +1982,9 @@ class RunsConfig:
     prefetch = 1 to load each lane's next run while computing on the current one (36 registers;
     8-row form only), rows: 8 (weights as mma's B operand) or 16 (weights as A, the runs16
     kernels; RUNS_ROWS, the default), l2_prefetch = 1 to give the 16-row form's 16-byte
-    weight loads the L2::256B hint, and stages = STG >= 2 for the staged 16-row form (weights
-    through shared memory, STG - 1 steps of 576 bytes per row copied ahead; 0: runs16 itself)."""
+    weight loads the L2::256B hint, and stages = STG >= 1 for the staged 16-row form (weights
+    through shared memory in STG slots of 4 runs per row, refilled STG steps ahead; 0: runs16
+    itself)."""
 
     warps: int = 1
     prefetch: int = 0
@@ -1999,8 +2003,8 @@ class RunsConfig:
             raise ValueError("the 16-row runs kernels have no prefetch")
         if self.l2_prefetch not in (0, 1) or (self.l2_prefetch and self.rows != 16):
             raise ValueError("l2_prefetch is 0 or 1, and 1 needs rows=16")
-        if self.stages not in (0, 2, 3, 4) or (self.stages and (self.rows != 16 or self.l2_prefetch)):
-            raise ValueError("stages is 0, 2, 3 or 4, and staging needs rows=16 without l2_prefetch")
+        if self.stages not in (0, 1, 2, 3, 4) or (self.stages and (self.rows != 16 or self.l2_prefetch)):
+            raise ValueError("stages is 0..4, and staging needs rows=16 without l2_prefetch")
         if self.warps * self.stages * RUNS_STAGE_BYTES > RUNS_SHARED_LIMIT:
             raise ValueError(f"{self.warps} warps x {self.stages} stages x {RUNS_STAGE_BYTES} bytes exceed "
                              f"{RUNS_SHARED_LIMIT} bytes of static shared memory")  # fmt: skip
@@ -2527,12 +2531,12 @@ def _runs_cases(kind: str, rows: int = 8, staged: bool = False):
         if staged:
             r = lambda warps, stages: RunsConfig(warps, 0, 16, 0, stages)  # noqa: E731
             if kind == "dense":
-                return [_runs_case(rng, kind, 37, 256, r(1, 2)), _runs_case(rng, kind, 45, 2560, r(2, 2)),
-                        _runs_case(rng, kind, 16, 5376, r(1, 3)), _runs_case(rng, kind, 9, 768, r(1, 4)),
-                        _runs_case(rng, kind, 24, 2816, r(1, 2)), _runs_case(rng, kind, 19, 5376, r(2, 2))]  # fmt: skip
-            return [_runs_case(rng, kind, 13, 512, r(1, 2)), _runs_case(rng, kind, 6, 2560, r(2, 2)),
+                return [_runs_case(rng, kind, 37, 256, r(1, 1)), _runs_case(rng, kind, 45, 2560, r(2, 2)),
+                        _runs_case(rng, kind, 16, 5376, r(1, 3)), _runs_case(rng, kind, 9, 768, r(8, 1)),
+                        _runs_case(rng, kind, 24, 2816, r(1, 4)), _runs_case(rng, kind, 19, 5376, r(4, 1))]  # fmt: skip
+            return [_runs_case(rng, kind, 13, 512, r(1, 1)), _runs_case(rng, kind, 6, 2560, r(2, 2)),
                     _runs_case(rng, kind, 21, 1280, r(1, 4)), _runs_case(rng, kind, 11, 5376, r(1, 3)),
-                    _runs_case(rng, kind, 5, 2816, r(1, 2))]  # fmt: skip
+                    _runs_case(rng, kind, 5, 2816, r(8, 1))]  # fmt: skip
         if rows == 16:
             r = lambda warps, l2=0: RunsConfig(warps, 0, 16, l2)  # noqa: E731
             if kind == "dense":

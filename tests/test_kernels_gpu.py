@@ -367,8 +367,7 @@ def _misaligned(raw: np.ndarray, offset: int) -> mx.array:
 def test_q4_0_runs_kernels(n, k):
     """The one-token runs kernels (dense and gate|up), 8-row form at every warp count with and
     without the prefetch of the next run, 16-row form at every warp count (and with the L2
-    prefetch-size hint), staged 16-row form at every stage count (equal to the 16-row form bit for
-    bit), on aligned blocks and x
+    prefetch-size hint), staged 16-row form at 1, 2 and 4 stages, on aligned blocks and x
     and on blocks and x that start 2 bytes past a 16-byte boundary (the 2-byte-load fallbacks)."""
     rng = np.random.default_rng(41)
     raw = qm.random_blocks(rng, qm.Q4_0, (n,), k)
@@ -384,8 +383,8 @@ def test_q4_0_runs_kernels(n, k):
     for warps, prefetch, rows, l2, stages in ((1, 0, 8, 0, 0), (2, 0, 8, 0, 0), (4, 0, 8, 0, 0), (8, 0, 8, 0, 0),
                                               (1, 1, 8, 0, 0), (2, 1, 8, 0, 0), (8, 1, 8, 0, 0), (1, 0, 16, 0, 0),
                                               (2, 0, 16, 0, 0), (4, 0, 16, 0, 0), (8, 0, 16, 0, 0), (1, 0, 16, 1, 0),
-                                              (8, 0, 16, 1, 0), (1, 0, 16, 0, 2), (2, 0, 16, 0, 2), (1, 0, 16, 0, 3),
-                                              (1, 0, 16, 0, 4)):  # fmt: skip
+                                              (8, 0, 16, 1, 0), (1, 0, 16, 0, 1), (2, 0, 16, 0, 1), (8, 0, 16, 0, 1),
+                                              (1, 0, 16, 0, 2), (2, 0, 16, 0, 2), (1, 0, 16, 0, 4)):  # fmt: skip
         cfg = qm.RunsConfig(warps, prefetch, rows, l2, stages)
         for what, xx, bb, bb2 in (("aligned", x, blocks, mx.array(raw[: 2 * f])),
                                   ("misaligned", x_off, _misaligned(raw, 2), _misaligned(raw[: 2 * f], 2))):  # fmt: skip
@@ -395,13 +394,8 @@ def test_q4_0_runs_kernels(n, k):
             gu = qm.launch_gate_up_runs(xx, bb2, f, cfg, init_value=NAN)
             assert gu.shape == (1, f)
             _check(gu, gu_want, gu_bound, mx.bfloat16, f"runs gate_up {what} F={f} K={k} {cfg}")
-        # run to run: bit for bit; the staged form does runs16's arithmetic in runs16's order
+        # run to run: bit for bit
         assert mx.array_equal(qm.launch_dense_runs(x, blocks, n, cfg), qm.launch_dense_runs(x, blocks, n, cfg)).item()
-        if stages:
-            plain = qm.RunsConfig(warps, 0, 16)
-            assert mx.array_equal(qm.launch_dense_runs(x, blocks, n, cfg), qm.launch_dense_runs(x, blocks, n, plain)).item()
-            assert mx.array_equal(qm.launch_gate_up_runs(x, blocks[: 2 * f], f, cfg),
-                                  qm.launch_gate_up_runs(x, blocks[: 2 * f], f, plain)).item()  # fmt: skip
 
 
 def test_q4_0_runs_dispatch(monkeypatch):

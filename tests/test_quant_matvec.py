@@ -218,8 +218,9 @@ def test_runs_plans_and_geometry(monkeypatch):
     with pytest.raises(ValueError, match="rows"):
         qm.RunsConfig(1, 0, 12)
     # the staged 16-row form: its own kernel, warps doubled only while the stage slots fit in 48 KB
-    for stages, cases in ((2, {("gate_up", 21504, 5376): 1, ("dense", 16384, 5376): 2, ("dense", 5376, 21504): 2}),
-                          (3, {("dense", 5376, 21504): 1, ("gate_up", 10240, 2560): 1})):  # fmt: skip
+    for stages, cases in ((1, {("gate_up", 21504, 5376): 1, ("dense", 16384, 5376): 2, ("dense", 5376, 21504): 8}),
+                          (2, {("dense", 5376, 21504): 4, ("gate_up", 10240, 2560): 2}),
+                          (3, {("dense", 5376, 21504): 2, ("gate_up", 10240, 2560): 2})):  # fmt: skip
         monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, f"stages={stages}")
         for (kind, n, k), warps in cases.items():
             cfg = qm.default_runs_config(kind, n, k)
@@ -228,8 +229,8 @@ def test_runs_plans_and_geometry(monkeypatch):
             assert dict(plan.template) == {"T": "bfloat16", "NW": warps, "STG": stages}
             assert plan.grid[0] // plan.threadgroup[0] == -(-n // (8 if kind == "gate_up" else 16))
     assert qm._runs_def("dense", 16, True).name == "g4_q4_0_matvec_runs16s"
-    for bad in (dict(rows=8, stages=2), dict(stages=5), dict(stages=1), dict(l2_prefetch=1, stages=2),
-                dict(warps=4, stages=2), dict(warps=2, stages=3)):  # fmt: skip
+    for bad in (dict(rows=8, stages=2), dict(stages=5), dict(stages=-1), dict(l2_prefetch=1, stages=2),
+                dict(warps=8, stages=2), dict(warps=4, stages=3)):  # fmt: skip
         with pytest.raises(ValueError):
             qm.RunsConfig(**bad)
     monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "warps=5")
