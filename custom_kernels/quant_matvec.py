@@ -1722,12 +1722,14 @@ __device__ __forceinline__ void g4_load_run72(uint32_t (&q)[18], const uint8_t* 
 }
 // bf16x2 {q - 8} of qs pair p (bytes 2p, 2p + 1) of block b of a 72-byte run, low or high (hi)
 // nibbles; b, p, hi are constants once the callers' loops are unrolled
-__device__ __forceinline__ uint32_t g4_run72_pair(const uint32_t (&q)[18], int b, int p, int hi) {
+template <typename Q>  // Q: uint32_t[18] in registers, or a pointer to the run's words
+__device__ __forceinline__ uint32_t g4_run72_pair(const Q& q, int b, int p, int hi) {
   const int o = 18 * b + 2 + 2 * p;  // byte offset of the pair in the run
   const uint32_t w = hi ? (q[o >> 2] >> 4) & 0x0F0F0F0Fu : q[o >> 2] & 0x0F0F0F0Fu;
   return g4_q4_pair(w, (o & 2) ? 0x4342u : 0x4140u);
 }
-__device__ __forceinline__ float g4_run72_scale(const uint32_t (&q)[18], int b) {
+template <typename Q>
+__device__ __forceinline__ float g4_run72_scale(const Q& q, int b) {
   const int o = 18 * b;
   return g4_half_bits((o & 2) ? q[o >> 2] >> 16 : q[o >> 2] & 0xFFFFu);
 }
@@ -1747,8 +1749,8 @@ __device__ __forceinline__ void g4_x8(uint32_t& b0, uint32_t& b1, const uint8_t*
 // One run of each of rows g (q0) and g + 8 (q1) against x of the run (xr): the 4 blocks' dots, scaled
 // by their d, into acc: (row g, column 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1). live: the run
 // exists (else d = 0 and q0 / q1 hold some other run of the rows, finite)
-template <int XA>
-__device__ __forceinline__ void g4_runs16_run(float (&acc)[4], const uint32_t (&q0)[18], const uint32_t (&q1)[18],
+template <int XA, typename Q>
+__device__ __forceinline__ void g4_runs16_run(float (&acc)[4], const Q& q0, const Q& q1,
                                               const uint8_t* xr, bool live, int g, int t) {
   const int s0 = 4 * g + ((2 * t) & 3);  // the lanes holding the d of columns 2t, 2t + 1 (t < 2)
   _Pragma("unroll") for (int b = 0; b < 4; ++b) {
@@ -1861,104 +1863,100 @@ _RUNS16_LOOP = r"""  if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
 # memory. runs16's lanes each read their own 72-byte runs, so every 16-byte load instruction of a
 # warp touches 32 rows' worth of scattered half-sectors: Nsight Compute had L1/TEX at 76-81% of its
 # throughput, 58% excess sectors and a 63% L1 hit rate on the 31B gate|up, and a read-only probe in
-# that order reaches 49.5% of copy (bench/NOTES.md, session 14). Here a step is 4 consecutive runs
-# (288 bytes) of each of the warp's 16 rows: the warp copies it with 8-byte cp.async, a row per copy
-# instruction (256 contiguous bytes; a probe in this kind of order: 86%), into a slot where every
-# run starts 16-byte aligned (80 bytes per run, 320 per row: a quarter warp's 16-byte reads fall in
-# distinct banks); lane (g, t) then takes run t of rows g and g + 8 into registers and the slot is
-# refilled with the step STG ahead while the lane computes. Blocks whose base is not 8-byte aligned
-# take runs16's loop (2-byte loads).
+# that order reaches 50% of copy (bench/NOTES.md, session 14). Here a step is 4 consecutive runs
+# (288 bytes) of each of the warp's 16 rows, copied with 16-byte cp.async, consecutive lanes on
+# consecutive words of a row (a probe in this kind of order: 86-91%), into a slot of 16 x 288
+# bytes; the lanes read their runs from the slot where the arithmetic needs them. STG slots: the
+# copy of step u + STG - 1 overlaps the work on step u (STG = 1: the copy follows the work). Rows
+# whose base is not 16-byte aligned take runs16's loop (2-byte loads). Registers and shared memory
+# decide the occupancy here: 79 registers and 2 slots (9.5 KB) per warp fit 21 one-warp
+# threadgroups per SM, one wave for the 31B gate|up's 2688 row sets.
 
 _RUNS16S_HEADER_CUDA = r"""
-// the 72 bytes of one run from shared memory (16-byte aligned): four 16-byte reads, one 8-byte
-__device__ __forceinline__ void g4_lds_run72(uint32_t (&q)[18], const uint8_t* run) {
-  const uint4* v = reinterpret_cast<const uint4*>(run);
-  _Pragma("unroll") for (int s = 0; s < 4; ++s) {
-    const uint4 w = v[s];
-    q[4 * s] = w.x; q[4 * s + 1] = w.y; q[4 * s + 2] = w.z; q[4 * s + 3] = w.w;
+// the words of a run in shared memory, read where used (q[i]: word i; 8-byte reads)
+struct g4_words8 {
+  const uint2* p;
+  __device__ explicit g4_words8(const uint2* run) : p(run) {}
+  __device__ uint32_t operator[](int i) const {
+    const uint2 v = p[i >> 1];
+    return (i & 1) ? v.y : v.x;
   }
-  const uint2 e = *reinterpret_cast<const uint2*>(run + 64);
-  q[16] = e.x; q[17] = e.y;
-}
+};
 // runs16's work with the weights staged: this warp's steps s = warp, warp + nw, ... each hold runs
-// 4 s .. 4 s + 3 of the 16 rows (A row r: weight row (r < 8 ? base0 : base1) + r % 8 when r % 8 <
-// lim0 / lim1, else row 0: finite, never stored), its u-th step in slot u % STG (run k of row r at
-// byte 320 r + 80 k). Needs 8-byte aligned rows (row_bytes = 72 C always is).
-template <int XA, int STG>
+// 4 s .. 4 s + 3 (288 bytes) of the 16 rows, step u of the warp in slot u % STG (row r at byte
+// 288 r; A row r starts at byte row_off(r, key) of wq, key a 0 the compiler cannot see through,
+// which keeps the 16 offsets from being hoisted into registers; a missing row: any valid one,
+// finite, never stored). The lanes read their runs from the slot while they compute (8-byte reads:
+// runs start 8 bytes past 16 every other one; a half warp's reads fall in distinct banks). Needs
+// 16-byte aligned rows (row_bytes = 72 C, C even, always is a multiple of 16).
+template <int XA, int STG, typename RowOffset>
 __device__ __forceinline__ void g4_runs16_staged_loop(float (&acc)[4], uint8_t* stage, const uint8_t* wq,
-                                                      int row_bytes, int base0, int lim0, int base1, int lim1,
-                                                      const uint8_t* xz, int xrun, int C, int warp, int nw,
-                                                      int g, int t, int lane) {
-  constexpr int SB = 16 * 320;  // bytes of a slot
+                                                      RowOffset row_off, const uint8_t* xz, int xrun, int C,
+                                                      int warp, int nw, int g, int t) {
+  constexpr int SB = 16 * 288;  // bytes of a slot
   const int nsteps = (C + 3) / 4;
-  const uint32_t stage_addr = g4_shared_addr(stage);
-  // piece q (8 bytes) of a row's step: run q / 9, byte 8 (q % 9) of it; lane l copies pieces l and
-  // (tail) 32 + l % 4, the latter of row 8 h + l / 4 in copy 16 + h
-  const int dst_main = 80 * (lane / 9) + 8 * (lane % 9);
-  const int q_tail = 32 + (lane & 3);
-  const int dst_tail = 80 * 3 + 8 * (q_tail - 27);
-  auto issue = [&](int st, int slot) {
+  auto issue = [&](int st, int slot) {  // copy step st into a slot: 16-byte word i = 18 r + p of it
     if (st >= nsteps) return;
-    const int nq = 9 * min(4, C - 4 * st);  // pieces of each row in this step
-    const uint32_t dst = stage_addr + (uint32_t)(slot * SB);
+    const int np = 18 * min(4, C - 4 * st) / 4;  // 16-byte words of each row in this step
+    const uint32_t dst = g4_shared_addr(stage) + (uint32_t)(slot * SB);
     const uint8_t* src = wq + (size_t)288 * st;
-    // the empty asm re-derives the row pointers per step: hoisting 16 of them out of the loop
-    // would cost 32 registers
-    int b0 = base0, b1 = base1, l0 = lim0, l1 = lim1, rb = row_bytes;
-    asm volatile("" : "+r"(b0), "+r"(b1), "+r"(l0), "+r"(l1), "+r"(rb));
-    auto row_off = [&](int r) -> size_t {
-      const int rr = r & 7;
-      return (size_t)(r < 8 ? (rr < l0 ? b0 + rr : 0) : (rr < l1 ? b1 + rr : 0)) * rb;
-    };
-    _Pragma("unroll") for (int r = 0; r < 16; ++r) {
-      if (lane < nq) g4_cp_async<8>(dst + (uint32_t)(320 * r + dst_main), src + row_off(r) + 8 * lane);
-    }
-    _Pragma("unroll") for (int h = 0; h < 2; ++h) {
-      const int r = 8 * h + (lane >> 2);
-      if (q_tail < nq) g4_cp_async<8>(dst + (uint32_t)(320 * r + dst_tail), src + row_off(r) + 8 * q_tail);
+    int key = 0;
+    asm volatile("" : "+r"(key));
+    const int ln = (int)(threadIdx.x & 31u);
+    _Pragma("unroll") for (int m = 0; m < 9; ++m) {
+      const int i = ln + 32 * m;
+      const int r = i / 18, p = i - 18 * r;
+      if (p < np) g4_cp_async<16>(dst + (uint32_t)(16 * i), src + row_off(r, key) + 16 * p);
     }
   };
-  _Pragma("unroll") for (int u = 0; u < STG; ++u) { issue(warp + nw * u, u); g4_cp_async_commit(); }
+  _Pragma("unroll") for (int u = 0; u < (STG > 1 ? STG - 1 : 1); ++u) { issue(warp + nw * u, u); g4_cp_async_commit(); }
   for (int u = 0; warp + nw * u < nsteps; ++u) {
     const int st = warp + nw * u;
-    g4_cp_async_wait<STG - 1>();  // step u's copies of this lane have landed ...
-    __syncwarp();                 // ... and every lane's
-    const int c = 4 * st + t;     // run of this lane
-    const bool live = c < C;
-    const int k = live ? t : t - 2;  // a step holds 4 runs or (the last) 2
-    const uint8_t* run0 = stage + (u % STG) * SB + 320 * g + 80 * k;
-    uint32_t q0[18], q1[18];
-    g4_lds_run72(q0, run0);
-    g4_lds_run72(q1, run0 + 8 * 320);
-    __syncwarp();  // every lane has read the slot: refill it
-    issue(st + nw * STG, u % STG);
-    g4_cp_async_commit();
-    g4_runs16_run<XA>(acc, q0, q1, xz + (size_t)(4 * st + k) * xrun, live, g, t);
+    g4_cp_async_wait<(STG > 1 ? STG - 2 : 0)>();  // step u's copies of this lane have landed ...
+    __syncwarp();                                  // ... and every lane's
+    if (STG > 1) {  // refill the slot read last step while this one is used
+      issue(st + nw * (STG - 1), (u + STG - 1) % STG);
+      g4_cp_async_commit();
+    }
+    const bool live = 4 * st + t < C;  // run 4 st + t of this lane
+    const int k = live ? t : t - 2;    // a step holds 4 runs or (the last) 2
+    const uint2* q0 = reinterpret_cast<const uint2*>(stage + (u % STG) * SB + 288 * g + 72 * k);
+    g4_runs16_run<XA>(acc, g4_words8(q0), g4_words8(q0 + 8 * 288 / 8), xz + (size_t)(4 * st + k) * xrun, live, g, t);
+    __syncwarp();  // every lane has read the slot
+    if (STG == 1) {  // one slot: refill it now (the copy overlaps other warps' work only)
+      issue(st + nw, 0);
+      g4_cp_async_commit();
+    }
   }
 }
 """
 
-_RUNS16S_LOOP = r"""  __shared__ __align__(16) uint8_t stage_s[NW * STG * 16 * 320];
-  const int lim0 = min(8, max(0, N - out0));
-  const int base1 = GU ? N + out0 : out0 + 8;
-  const int lim1 = GU ? lim0 : min(8, max(0, NR - out0 - 8));
-  uint8_t* stage = stage_s + warp * STG * 16 * 320;
-  const bool w8 = (reinterpret_cast<uintptr_t>(wq) & 7u) == 0;
+_RUNS16S_LOOP = r"""  __shared__ __align__(16) uint8_t stage_s[NW * STG * 16 * 288];
+  uint8_t* stage = stage_s + warp * STG * 16 * 288;
+  // byte offset of A row r's weight row (a missing row: row 0), from the launch's parameters each
+  // time it is asked: values held across the staged loop would cost registers (occupancy)
+  auto row_off = [&](int r, int key) -> size_t {
+    const int nr = wq_shape[0];
+    const int n = GU ? nr / 2 : nr;
+    const int o = (int)blockIdx.x * (GU ? 8 : 16) + (r & 7) + key;
+    const int row = r < 8 ? (o < n ? o : 0) : GU ? (o < n ? n + o : 0) : (o + 8 < nr ? o + 8 : 0);
+    return (size_t)row * wq_shape[1];
+  };
   if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
-    if (w8) {
-      g4_runs16_staged_loop<1, STG>(acc, stage, wq, row_bytes, out0, lim0, base1, lim1, xz, xrun, C, warp, NW, g, t, lane);
+    if (w_aligned) {
+      g4_runs16_staged_loop<1, STG>(acc, stage, wq, row_off, xz, xrun, C, warp, NW, g, t);
     } else {
       g4_runs16_loop<1, 0>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
     }
-  } else if (w8) {
-    g4_runs16_staged_loop<0, STG>(acc, stage, wq, row_bytes, out0, lim0, base1, lim1, xz, xrun, C, warp, NW, g, t, lane);
+  } else if (w_aligned) {
+    g4_runs16_staged_loop<0, STG>(acc, stage, wq, row_off, xz, xrun, C, warp, NW, g, t);
   } else {
     g4_runs16_loop<0, 0>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
   }
 """
 
-RUNS_STAGE_BYTES = 16 * 320
-"""Shared memory of one stage slot of a staged runs16 warp (4 runs of 16 rows, 80 bytes per run)."""
+RUNS_STAGE_BYTES = 16 * 288
+"""Shared memory of one stage slot of a staged runs16 warp (4 runs, 288 bytes, of each of 16 rows)."""
 RUNS_SHARED_LIMIT = 48 * 1024
 """Static shared memory per threadgroup on CUDA: warps x stages x RUNS_STAGE_BYTES stay below it."""
 RUNS_STAGES = 0
@@ -2532,10 +2530,10 @@ def _runs_cases(kind: str, rows: int = 8, staged: bool = False):
             r = lambda warps, stages: RunsConfig(warps, 0, 16, 0, stages)  # noqa: E731
             if kind == "dense":
                 return [_runs_case(rng, kind, 37, 256, r(1, 1)), _runs_case(rng, kind, 45, 2560, r(2, 2)),
-                        _runs_case(rng, kind, 16, 5376, r(1, 3)), _runs_case(rng, kind, 9, 768, r(8, 1)),
+                        _runs_case(rng, kind, 16, 5376, r(1, 2)), _runs_case(rng, kind, 9, 768, r(8, 1)),
                         _runs_case(rng, kind, 24, 2816, r(1, 4)), _runs_case(rng, kind, 19, 5376, r(4, 1))]  # fmt: skip
             return [_runs_case(rng, kind, 13, 512, r(1, 1)), _runs_case(rng, kind, 6, 2560, r(2, 2)),
-                    _runs_case(rng, kind, 21, 1280, r(1, 4)), _runs_case(rng, kind, 11, 5376, r(1, 3)),
+                    _runs_case(rng, kind, 21, 1280, r(1, 2)), _runs_case(rng, kind, 11, 5376, r(1, 3)),
                     _runs_case(rng, kind, 5, 2816, r(8, 1))]  # fmt: skip
         if rows == 16:
             r = lambda warps, l2=0: RunsConfig(warps, 0, 16, l2)  # noqa: E731
