@@ -1959,9 +1959,11 @@ RUNS_STAGE_BYTES = 16 * 288
 """Shared memory of one stage slot of a staged runs16 warp (4 runs, 288 bytes, of each of 16 rows)."""
 RUNS_SHARED_LIMIT = 48 * 1024
 """Static shared memory per threadgroup on CUDA: warps x stages x RUNS_STAGE_BYTES stay below it."""
-RUNS_STAGES = 0
-"""default_runs_config's stages for the 16-row form: 0 (runs16 itself) until the staged form is
-measured on a GPU."""
+RUNS_STAGES = 2
+"""default_runs_config's stages for the 16-row form: the staged kernels with 2 slots. Measured on
+the H200 (bench/NOTES.md, session 14): 31B gate|up per layer in the step 69.6 -> 61.8 us, E4B
+20.4 -> 17.5 us; at the kernel bench's back-to-back rate the 31B gate|up reads at 82% of copy
+(runs16 61%). stages=0 brings runs16 back."""
 
 RUNS_GEOMETRY_ENV = "GEMMA4_MLX_RUNS_GEOMETRY"
 """RunsConfig fields over default_runs_config's, e.g. "warps=2" (tuning)."""

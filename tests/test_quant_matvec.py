@@ -180,7 +180,8 @@ def test_runs_plans_and_geometry(monkeypatch):
     pairs) per threadgroup, warps doubled while the grid is small and a row has runs for them, the
     environment override, and the inputs they refuse."""
     monkeypatch.delenv(qm.RUNS_GEOMETRY_ENV, raising=False)
-    assert qm.default_runs_config("gate_up", 21504, 5376) == qm.RunsConfig(1, 0, 16, qm.RUNS_L2_PREFETCH)
+    assert qm.default_runs_config("gate_up", 21504, 5376) == qm.RunsConfig(1, 0, 16, 0, qm.RUNS_STAGES)
+    assert qm.RUNS_STAGES == 2
     assert qm.RUNS_ROWS == 16 and qm.RunsConfig().rows == 16
     monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "rows=12")
     with pytest.raises(ValueError, match=qm.RUNS_GEOMETRY_ENV):
@@ -204,7 +205,7 @@ def test_runs_plans_and_geometry(monkeypatch):
     assert qm.plan_runs("dense", 43008, 5376).threadgroup == (64, 1, 1)
     assert qm.default_runs_config("dense", 43008, 5376).rows == 16
     # the 16-row form: 16 dense rows (8 gate|up pairs) per threadgroup, its own kernel, no prefetch
-    monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "rows=16")
+    monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "rows=16,stages=0")
     for (kind, n, k), warps in {("dense", 43008, 5376): 1, ("dense", 16384, 5376): 2, ("gate_up", 21504, 5376): 1, ("dense", 5376, 21504): 8,
                                 ("gate_up", 10240, 2560): 2}.items():  # fmt: skip
         cfg = qm.default_runs_config(kind, n, k)
@@ -442,7 +443,7 @@ def test_registry_lists_every_kernel_with_consistent_cases():
                 ids = mx.array(case.inputs["ids"])
                 ref = qm.moe_down_reference(xm.reshape(*ids.shape, -1), ids, mx.array(case.inputs["wts"]), wq,
                                             ggml_type, n)  # fmt: skip
-            elif spec.name in ("g4_q4_0_gate_up_runs", "g4_q4_0_gate_up_runs16"):  # a dense gate|up: no ids
+            elif spec.name in ("g4_q4_0_gate_up_runs", "g4_q4_0_gate_up_runs16", "g4_q4_0_gate_up_runs16s"):  # no ids
                 ref = qm.gate_up_reference(xm, wq, ggml_type, n)
             elif "gate_up" in spec.name:
                 ref = qm.gate_up_gather_reference(xm, mx.array(case.inputs["ids"]), wq, ggml_type, n)
