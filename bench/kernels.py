@@ -237,9 +237,9 @@ def read_probe(w: mx.array, order: int = 0) -> mx.array:
     aligned); 2: the stream matvec's order, each warp 16 rows, a 144-byte piece of each per step
     (row_bytes a multiple of 144); 3: the runs16 kernels' order (each warp 16 rows; lane (g, t) reads
     runs 8j + 2t and 8j + 2t + 1 of rows g and g + 8, 72 bytes each as four 16-byte loads and one
-    8-byte load; rows a multiple of 16, row_bytes of 144); 4: the staged runs16 kernels' order (each
-    warp 16 rows, 576 bytes of each per step, the warp's lanes on consecutive 16-byte words;
-    row_bytes a multiple of 16)."""
+    8-byte load; rows a multiple of 16, row_bytes of 144); 4: a staged order (each warp 16 rows,
+    576 bytes of each per step, the warp's lanes on consecutive 16-byte words; row_bytes a multiple
+    of 16; the staged runs16 kernels copy 288 bytes per row and step this way)."""
     global _READ_KERNEL
     if _READ_KERNEL is None:
         _READ_KERNEL = mx.fast.cuda_kernel(name="g4_bench_read", input_names=["w"], output_names=["o"], source="""

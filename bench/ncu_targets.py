@@ -14,8 +14,9 @@ the split-K gate/up kernel at its default geometry), head (Q8_0 tied head), prob
 (decode attention partial + merge at a 4K context); at E4B's short rows (K = 2560, where every
 matvec is slower per byte: bench/NOTES.md session 11): gate_up_split_e4b (20480 x 2560) and
 down_e4b (2560 x 10240, the same kernel family at long rows, for comparison); gate_up_runs /
-gate_up_runs_e4b: the one-token runs kernel (tensor cores; its default form, 16 rows per warp since
-session 13, GEMMA4_MLX_RUNS_GEOMETRY=rows=8 for the 8-row one) on the same gate|up shapes.
+gate_up_runs_e4b: the one-token runs kernel (tensor cores; its default form, the staged 16-row one
+since session 14; GEMMA4_MLX_RUNS_GEOMETRY=stages=0 for runs16, rows=8 for the 8-row form) on the
+same gate|up shapes.
 """
 
 from __future__ import annotations

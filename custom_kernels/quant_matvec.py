@@ -1798,9 +1798,10 @@ __device__ __forceinline__ void g4_runs16_loop(float (&acc)[4], const uint8_t* r
 }
 """
 
-# Template: T (bfloat16), NW (warps per threadgroup, splitting the pairs of runs), L2P (1: the
-# 16-byte weight loads carry the L2::256B prefetch-size hint). @GU@: 0 dense
-# (16 rows per threadgroup), 1 gate|up (gate rows r..r+7 and up rows F+r..F+r+7 -> gelu_tanh(g) * u).
+# Template: T (bfloat16), NW (warps per threadgroup, splitting the row set's runs), and L2P (1: the
+# 16-byte weight loads carry the L2::256B prefetch-size hint) for runs16 or STG (slots per warp)
+# for the staged form; @LOOP@: _RUNS16_LOOP or _RUNS16S_LOOP. @GU@: 0 dense (16 rows per
+# threadgroup), 1 gate|up (gate rows r..r+7 and up rows F+r..F+r+7 -> gelu_tanh(g) * u).
 _RUNS16_BODY_CUDA = r"""
   // gemma4-mlx q4_0 runs16 kernel (CUDA tensor cores, one token, weights as A: 16 rows per warp)
   constexpr int GU = @GU@;
@@ -2107,8 +2108,8 @@ def _launch_runs(kind: str, x: mx.array, blocks: mx.array, rows: int, n: int, co
     if math.prod(x.shape[:-1]) != 1:
         raise ValueError(f"the runs kernels take one token, got x of shape {x.shape}")
     cfg = config or default_runs_config(kind, n, x.shape[-1])
-    return _run(_runs_def(kind, cfg.rows, cfg.stages > 0), [x, blocks], plan_runs(kind, n, x.shape[-1], cfg), x.dtype, init_value,
-                out_shape)  # fmt: skip
+    kdef = _runs_def(kind, cfg.rows, cfg.stages > 0)
+    return _run(kdef, [x, blocks], plan_runs(kind, n, x.shape[-1], cfg), x.dtype, init_value, out_shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -2144,10 +2145,10 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
     [..., F] in x.dtype. One row on a GPU: the expert gate/up kernel with the matrix as the only
     expert (one launch, f32 product rounded once), split K on CUDA (H200 31B step: 97 -> 82 us
     against the stream kernel); for Q4_0 on CUDA with bf16 x and K a multiple of 256 the runs
-    kernel instead (family gate_up_runs, 16-row form: 31B 102 -> 71 us, E4B 37-45 -> 20.7 us per
-    layer). 2..8 rows: the dense kernel over all 2F rows, then the product in f32 from its x.dtype
-    outputs (the expert kernel would re-read the weights per row: 504 us vs 88 us for three ops at
-    the 31B shape, M = 8). Else the reference. ``one_expert``: the same
+    kernel instead (family gate_up_runs; its staged 16-row form: 31B 102 -> 62 us, E4B 37-45 ->
+    17.5 us per layer). 2..8 rows: the dense kernel over all 2F rows, then the product in f32 from
+    its x.dtype outputs (the expert kernel would re-read the weights per row: 504 us vs 88 us for
+    three ops at the 31B shape, M = 8). Else the reference. ``one_expert``: the same
     blocks as [1, 2F, row_bytes], evaluated (a caller that keeps it spares the step an expand node)."""
     k = _check_dense(x, blocks, ggml_type, 2 * f)
     if one_expert is not None and one_expert.shape != (1, *blocks.shape):
