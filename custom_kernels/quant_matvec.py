@@ -1932,7 +1932,7 @@ __device__ __forceinline__ void g4_runs16_staged_loop(float (&acc)[4], uint8_t* 
 }
 """
 
-_RUNS16S_LOOP = r"""  __shared__ __align__(16) uint8_t stage_s[NW * STG * 16 * 288];
+_RUNS16S_LOOP_TEXT = r"""  __shared__ __align__(16) uint8_t stage_s[NW * STG * 16 * 288];
   uint8_t* stage = stage_s + warp * STG * 16 * 288;
   // byte offset of A row r's weight row (a missing row: row 0), from the launch's parameters each
   // time it is asked: values held across the staged loop would cost registers (occupancy)
@@ -1945,15 +1945,88 @@ _RUNS16S_LOOP = r"""  __shared__ __align__(16) uint8_t stage_s[NW * STG * 16 * 2
   };
   if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
     if (w_aligned) {
-      g4_runs16_staged_loop<1, STG>(acc, stage, wq, row_off, xz, xrun, C, warp, NW, g, t);
+      @FN@<1, STG>(acc, stage, wq, row_off, xz, xrun, C, warp, NW, g, t);
     } else {
       g4_runs16_loop<1, 0>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
     }
   } else if (w_aligned) {
-    g4_runs16_staged_loop<0, STG>(acc, stage, wq, row_off, xz, xrun, C, warp, NW, g, t);
+    @FN@<0, STG>(acc, stage, wq, row_off, xz, xrun, C, warp, NW, g, t);
   } else {
     g4_runs16_loop<0, 0>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
   }
+"""
+
+_RUNS16S_LOOP = _RUNS16S_LOOP_TEXT.replace("@FN@", "g4_runs16_staged_loop")
+_RUNS16B_LOOP = _RUNS16S_LOOP_TEXT.replace("@FN@", "g4_runs16_bulk_loop")
+
+# The bulk-copy form of the staged kernels (RunsConfig.bulk = 1, kernels g4_q4_0_matvec_runs16b /
+# g4_q4_0_gate_up_runs16b; not yet run on a GPU): the same slots and arithmetic, but each step is
+# copied by the Hopper bulk-copy unit (cp.async.bulk, one instruction per row: lanes 0..15 each
+# copy their row's 288 bytes) and waited for on an mbarrier per slot, instead of 9 16-byte
+# cp.async per lane with their address arithmetic (about 150 of the staged loop's ~730
+# instructions per step).
+_RUNS16B_HEADER_CUDA = r"""
+// mbarrier and bulk-copy helpers (sm_90): a slot's barrier expects the step's bytes, the bulk
+// copies complete them, the lanes wait for the phase (parity) of that use of the slot
+__device__ __forceinline__ void g4_mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void g4_mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void g4_mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void g4_mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  }
+}
+__device__ __forceinline__ void g4_bulk_copy(uint32_t dst, const uint8_t* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// the staged loop with bulk copies: same slots (row r at byte 288 r), steps and arithmetic as
+// g4_runs16_staged_loop; use n of a slot completes phase n of its barrier
+template <int XA, int STG, typename RowOffset>
+__device__ __forceinline__ void g4_runs16_bulk_loop(float (&acc)[4], uint8_t* stage, const uint8_t* wq,
+                                                    RowOffset row_off, const uint8_t* xz, int xrun, int C,
+                                                    int warp, int nw, int g, int t) {
+  constexpr int SB = 16 * 288;
+  __shared__ __align__(8) uint64_t bars_s[8 * 4];  // [warp][slot]: NW <= 8, STG <= 4
+  const int lane = (int)(threadIdx.x & 31u);
+  const int nsteps = (C + 3) / 4;
+  const uint32_t bar0 = g4_shared_addr(bars_s + warp * STG);
+  const uint8_t* my_row = wq + row_off(lane & 15, 0);  // lanes 0..15 copy A row `lane`
+  if (lane == 0) {
+    _Pragma("unroll") for (int s = 0; s < STG; ++s) g4_mbar_init(bar0 + 8 * s, 1);
+    g4_mbar_init_fence();
+  }
+  __syncwarp();
+  auto issue = [&](int st, int slot) {
+    if (st >= nsteps) return;
+    const uint32_t bytes = 72 * min(4, C - 4 * st);  // of each row
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's earlier reads, before the copy
+    if (lane == 0) g4_mbar_expect_tx(bar0 + 8 * slot, 16 * bytes);
+    __syncwarp();
+    if (lane < 16) {
+      g4_bulk_copy(g4_shared_addr(stage) + (uint32_t)(slot * SB + 288 * lane), my_row + (size_t)288 * st, bytes,
+                   bar0 + 8 * slot);
+    }
+  };
+  _Pragma("unroll") for (int u = 0; u < (STG > 1 ? STG - 1 : 1); ++u) issue(warp + nw * u, u);
+  for (int u = 0; warp + nw * u < nsteps; ++u) {
+    const int st = warp + nw * u;
+    g4_mbar_wait(bar0 + 8 * (u % STG), (uint32_t)(u / STG) & 1u);
+    if (STG > 1) issue(st + nw * (STG - 1), (u + STG - 1) % STG);  // the slot read last step
+    const bool live = 4 * st + t < C;
+    const int k = live ? t : t - 2;
+    const uint2* q0 = reinterpret_cast<const uint2*>(stage + (u % STG) * SB + 288 * g + 72 * k);
+    g4_runs16_run<XA>(acc, g4_words8(q0), g4_words8(q0 + 8 * 288 / 8), xz + (size_t)(4 * st + k) * xrun, live, g, t);
+    __syncwarp();  // every lane has read the slot
+    if (STG == 1) issue(st + nw, 0);
+  }
+}
 """
 
 RUNS_STAGE_BYTES = 16 * 288
@@ -1983,15 +2056,17 @@ class RunsConfig:
     prefetch = 1 to load each lane's next run while computing on the current one (36 registers;
     8-row form only), rows: 8 (weights as mma's B operand) or 16 (weights as A, the runs16
     kernels; RUNS_ROWS, the default), l2_prefetch = 1 to give the 16-row form's 16-byte
-    weight loads the L2::256B hint, and stages = STG >= 1 for the staged 16-row form (weights
+    weight loads the L2::256B hint, stages = STG >= 1 for the staged 16-row form (weights
     through shared memory in STG slots of 4 runs per row, refilled STG steps ahead; 0: runs16
-    itself)."""
+    itself), and bulk = 1 to fill the slots with bulk copies (cp.async.bulk, one per row and
+    step) instead of 16-byte cp.async (not yet run on a GPU)."""
 
     warps: int = 1
     prefetch: int = 0
     rows: int = RUNS_ROWS
     l2_prefetch: int = 0
     stages: int = 0
+    bulk: int = 0
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8):
@@ -2006,6 +2081,8 @@ class RunsConfig:
             raise ValueError("l2_prefetch is 0 or 1, and 1 needs rows=16")
         if self.stages not in (0, 1, 2, 3, 4) or (self.stages and (self.rows != 16 or self.l2_prefetch)):
             raise ValueError("stages is 0..4, and staging needs rows=16 without l2_prefetch")
+        if self.bulk not in (0, 1) or (self.bulk and not self.stages):
+            raise ValueError("bulk is 0 or 1, and 1 needs stages >= 1")
         if self.warps * self.stages * RUNS_STAGE_BYTES > RUNS_SHARED_LIMIT:
             raise ValueError(f"{self.warps} warps x {self.stages} stages x {RUNS_STAGE_BYTES} bytes exceed "
                              f"{RUNS_SHARED_LIMIT} bytes of static shared memory")  # fmt: skip
@@ -2051,16 +2128,19 @@ def runs_supported(x_dtype: mx.Dtype, k: int) -> bool:
     return x_dtype == mx.bfloat16 and k > 0 and k % 256 == 0
 
 
-def _runs_def(kind: str, rows: int = 8, staged: bool = False) -> _KernelDef:
-    key = (Q4_0, f"runs{rows}{'s' if staged else ''}_{kind}")
+def _runs_def(kind: str, rows: int = 8, staged: bool = False, bulk: bool = False) -> _KernelDef:
+    """The runs kernel of one form: 8 rows, 16 rows (runs16), staged 16 rows, staged with bulk copies."""
+    form = "b" if bulk else "s" if staged else ""
+    key = (Q4_0, f"runs{rows}{form}_{kind}")
     if key not in _KERNEL_DEFS:
-        suffix = ("16s" if staged else "16") if rows == 16 else ""
+        suffix = f"16{form}" if rows == 16 else ""
         name = {"dense": "g4_q4_0_matvec_runs", "gate_up": "g4_q4_0_gate_up_runs"}[kind] + suffix
         body = (_RUNS16_BODY_CUDA if rows == 16 else _RUNS_BODY_CUDA).replace("@GU@", "1" if kind == "gate_up" else "0")
-        body = body.replace("@LOOP@", _RUNS16S_LOOP if staged else _RUNS16_LOOP)
+        body = body.replace("@LOOP@", _RUNS16B_LOOP if bulk else _RUNS16S_LOOP if staged else _RUNS16_LOOP)
         header = prelude("cuda") + _MMA_HEADER_CUDA + _RUNS_HEADER_CUDA
         if rows == 16:
             header += _RUNS16_HEADER_CUDA + (_STREAM_CP_ASYNC_CUDA + _RUNS16S_HEADER_CUDA if staged else "")
+            header += _RUNS16B_HEADER_CUDA if bulk else ""
         params = (("T", "NW", "STG") if staged else ("T", "NW", "L2P")) if rows == 16 else ("T", "NW", "PF")
         _KERNEL_DEFS[key] = _KernelDef(name, kind, Q4_0, ("x", "wq"), ("out",), params,
                                        {"metal": ("", ""), "cuda": (header, body)})  # fmt: skip
@@ -2108,7 +2188,7 @@ def _launch_runs(kind: str, x: mx.array, blocks: mx.array, rows: int, n: int, co
     if math.prod(x.shape[:-1]) != 1:
         raise ValueError(f"the runs kernels take one token, got x of shape {x.shape}")
     cfg = config or default_runs_config(kind, n, x.shape[-1])
-    kdef = _runs_def(kind, cfg.rows, cfg.stages > 0)
+    kdef = _runs_def(kind, cfg.rows, cfg.stages > 0, cfg.bulk == 1)
     return _run(kdef, [x, blocks], plan_runs(kind, n, x.shape[-1], cfg), x.dtype, init_value, out_shape)
 
 
@@ -2523,14 +2603,14 @@ def _runs_case(rng, kind, n, k, config):
                                label=f"{kind} N={n} K={k} {config}")
 
 
-def _runs_cases(kind: str, rows: int = 8, staged: bool = False):
+def _runs_cases(kind: str, rows: int = 8, staged: bool = False, bulk: int = 0):
     """Odd row counts (a partial last row set), one run per row (three lanes of four idle), a
     partial last group of runs (K = 2560, 5376), more warps than groups (idle warps); staged: every
     stage count, a last step of 2 runs (K = 5376), more warps than steps."""
 
     def make(rng: np.random.Generator):
         if staged:
-            r = lambda warps, stages: RunsConfig(warps, 0, 16, 0, stages)  # noqa: E731
+            r = lambda warps, stages: RunsConfig(warps, 0, 16, 0, stages, bulk)  # noqa: E731
             if kind == "dense":
                 return [_runs_case(rng, kind, 37, 256, r(1, 1)), _runs_case(rng, kind, 45, 2560, r(2, 2)),
                         _runs_case(rng, kind, 16, 5376, r(1, 2)), _runs_case(rng, kind, 9, 768, r(8, 1)),
@@ -2569,11 +2649,11 @@ def kernel_specs():
         sdef = _stream_def(kind)
         specs.append(KernelSpec(sdef.name, sdef.input_names, sdef.output_names, "", "", *sdef.text["cuda"],
                                 _stream_cases(kind)))  # fmt: skip
-    for rows, staged in ((8, False), (16, False), (16, True)):
+    for rows, staged, bulk in ((8, False, 0), (16, False, 0), (16, True, 0), (16, True, 1)):
         for kind in ("dense", "gate_up"):  # CUDA only: no Metal text
-            rdef = _runs_def(kind, rows, staged)
+            rdef = _runs_def(kind, rows, staged, bulk == 1)
             specs.append(KernelSpec(rdef.name, rdef.input_names, rdef.output_names, "", "", *rdef.text["cuda"],
-                                    _runs_cases(kind, rows, staged)))  # fmt: skip
+                                    _runs_cases(kind, rows, staged, bulk)))  # fmt: skip
     for ggml_type, kind in _ALL_KERNELS:
         kdef = _kernel_def(ggml_type, kind)
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]

@@ -230,8 +230,13 @@ def test_runs_plans_and_geometry(monkeypatch):
             assert dict(plan.template) == {"T": "bfloat16", "NW": warps, "STG": stages}
             assert plan.grid[0] // plan.threadgroup[0] == -(-n // (8 if kind == "gate_up" else 16))
     assert qm._runs_def("dense", 16, True).name == "g4_q4_0_matvec_runs16s"
+    monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "bulk=1")
+    cfg = qm.default_runs_config("gate_up", 21504, 5376)
+    assert (cfg.stages, cfg.bulk) == (qm.RUNS_STAGES, 1)
+    assert dict(qm.plan_runs("gate_up", 21504, 5376).template) == {"T": "bfloat16", "NW": 1, "STG": qm.RUNS_STAGES}
+    assert qm._runs_def("gate_up", 16, True, True).name == "g4_q4_0_gate_up_runs16b"
     for bad in (dict(rows=8, stages=2), dict(stages=5), dict(stages=-1), dict(l2_prefetch=1, stages=2),
-                dict(warps=8, stages=2), dict(warps=4, stages=3)):  # fmt: skip
+                dict(warps=8, stages=2), dict(warps=4, stages=3), dict(bulk=1), dict(stages=2, bulk=2)):  # fmt: skip
         with pytest.raises(ValueError):
             qm.RunsConfig(**bad)
     monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "warps=5")
@@ -443,7 +448,7 @@ def test_registry_lists_every_kernel_with_consistent_cases():
                 ids = mx.array(case.inputs["ids"])
                 ref = qm.moe_down_reference(xm.reshape(*ids.shape, -1), ids, mx.array(case.inputs["wts"]), wq,
                                             ggml_type, n)  # fmt: skip
-            elif spec.name in ("g4_q4_0_gate_up_runs", "g4_q4_0_gate_up_runs16", "g4_q4_0_gate_up_runs16s"):  # no ids
+            elif spec.name.startswith("g4_q4_0_gate_up_runs"):  # a dense gate|up: no ids
                 ref = qm.gate_up_reference(xm, wq, ggml_type, n)
             elif "gate_up" in spec.name:
                 ref = qm.gate_up_gather_reference(xm, mx.array(case.inputs["ids"]), wq, ggml_type, n)
