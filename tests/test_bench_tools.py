@@ -1,12 +1,14 @@
 """bench/tools/ab_decode.sh on the CPU (decode.py --quick): every setting runs in its own process
 with its environment, in turn, and leaves its JSON and a printed tokens/s row. bench/tools/memcheck.sh
-with a stand-in compute-sanitizer: its arguments (a limit, then files or node ids) and its verdicts."""
+with a stand-in compute-sanitizer: its arguments (a limit, then files or node ids) and its verdicts.
+bench/tools/dynamic_smem_probe.py refuses a build without CUDA."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,3 +59,9 @@ def test_memcheck_takes_files_and_node_ids(tmp_path):
     fake.write_text("#!/usr/bin/env bash\necho '========= ERROR SUMMARY: 0 errors'\n")
     r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 2 and "did not report the planted write" in r.stdout
+
+
+def test_dynamic_smem_probe_needs_cuda():
+    r = subprocess.run([sys.executable, str(ROOT / "bench/tools/dynamic_smem_probe.py")], capture_output=True, text=True,
+                       timeout=120, check=False)  # fmt: skip
+    assert r.returncode == 2 and "needs MLX's CUDA backend" in r.stdout
