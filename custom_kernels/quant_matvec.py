@@ -1961,10 +1961,11 @@ _RUNS16B_LOOP = _RUNS16S_LOOP_TEXT.replace("@FN@", "g4_runs16_bulk_loop")
 
 # The bulk-copy form of the staged kernels (RunsConfig.bulk = 1, kernels g4_q4_0_matvec_runs16b /
 # g4_q4_0_gate_up_runs16b; not yet run on a GPU): the same slots and arithmetic, but each step is
-# copied by the Hopper bulk-copy unit (cp.async.bulk, one instruction per row: lanes 0..15 each
-# copy their row's 288 bytes) and waited for on an mbarrier per slot, instead of 9 16-byte
-# cp.async per lane with their address arithmetic (about 150 of the staged loop's ~730
-# instructions per step).
+# copied by the Hopper bulk-copy unit (cp.async.bulk, one per row: lanes 0..15 each copy their
+# row's 288 bytes) and waited for on an mbarrier per slot, instead of 9 16-byte cp.async per lane
+# through the load/store unit. SASS: 71 registers (staged 79); per step about as many
+# instructions as the staged loop (~580 plus a 16-pass loop of ~10 that issues the copies, against
+# ~730), so what it can save is load/store-unit work and occupancy, not issue slots.
 _RUNS16B_HEADER_CUDA = r"""
 // mbarrier and bulk-copy helpers (sm_90): a slot's barrier expects the step's bytes, the bulk
 // copies complete them, the lanes wait for the phase (parity) of that use of the slot
@@ -1986,17 +1987,25 @@ __device__ __forceinline__ void g4_bulk_copy(uint32_t dst, const uint8_t* src, u
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+// the slot barriers of a threadgroup, [warp][slot] (NW <= 8, STG <= 4): one array for every
+// instantiation of the loop below
+__device__ __forceinline__ uint64_t* g4_runs16_bars() {
+  __shared__ __align__(8) uint64_t bars_s[8 * 4];
+  return bars_s;
+}
 // the staged loop with bulk copies: same slots (row r at byte 288 r), steps and arithmetic as
-// g4_runs16_staged_loop; use n of a slot completes phase n of its barrier
+// g4_runs16_staged_loop; use n of a slot completes phase n of its barrier. Lanes 0..15 copy a row
+// each (the bulk-copy instruction takes warp-uniform operands, so the compiler serializes them in
+// a loop of ~10 instructions per row; lane 0 copying all 16 rows compiled worse, ~850 instructions
+// per step against ~580 plus that loop, the row offsets moved into uniform registers one by one)
 template <int XA, int STG, typename RowOffset>
 __device__ __forceinline__ void g4_runs16_bulk_loop(float (&acc)[4], uint8_t* stage, const uint8_t* wq,
                                                     RowOffset row_off, const uint8_t* xz, int xrun, int C,
                                                     int warp, int nw, int g, int t) {
   constexpr int SB = 16 * 288;
-  __shared__ __align__(8) uint64_t bars_s[8 * 4];  // [warp][slot]: NW <= 8, STG <= 4
   const int lane = (int)(threadIdx.x & 31u);
   const int nsteps = (C + 3) / 4;
-  const uint32_t bar0 = g4_shared_addr(bars_s + warp * STG);
+  const uint32_t bar0 = g4_shared_addr(g4_runs16_bars() + warp * STG);
   const uint8_t* my_row = wq + row_off(lane & 15, 0);  // lanes 0..15 copy A row `lane`
   if (lane == 0) {
     _Pragma("unroll") for (int s = 0; s < STG; ++s) g4_mbar_init(bar0 + 8 * s, 1);
