@@ -1987,7 +1987,7 @@ __device__ __forceinline__ void g4_bulk_copy(uint32_t dst, const uint8_t* src, u
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
-// the slot barriers of a threadgroup, [warp][slot] (NW <= 8, STG <= 4): one array for every
+// the slot barriers of a thread block, [warp][slot] (NW <= 8, STG <= 4): one array for every
 // instantiation of the loop below
 __device__ __forceinline__ uint64_t* g4_runs16_bars() {
   __shared__ __align__(8) uint64_t bars_s[8 * 4];
