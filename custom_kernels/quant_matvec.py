@@ -2112,11 +2112,12 @@ RUNS_TARGET_WARPS = 2048
 def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
     """RUNS_ROWS rows per set, one warp per row set, doubled (up to 8, and no more than a row's
     1024-weight steps) while the grid holds fewer than RUNS_TARGET_WARPS warps;
-    GEMMA4_MLX_RUNS_GEOMETRY overrides it (rows=8: the 8-row form)."""
-    rows = geometry_fields(RunsConfig(), RUNS_GEOMETRY_ENV).get("rows", RUNS_ROWS)
+    GEMMA4_MLX_RUNS_GEOMETRY overrides it (rows=8: the 8-row form; stages=0: runs16)."""
+    fields = geometry_fields(RunsConfig(), RUNS_GEOMETRY_ENV)
+    rows = fields.get("rows", RUNS_ROWS)
     if rows not in (8, 16):
         raise ValueError(f"{RUNS_GEOMETRY_ENV}: rows must be 8 or 16, got {rows}")
-    stages = geometry_fields(RunsConfig(), RUNS_GEOMETRY_ENV).get("stages", RUNS_STAGES if rows == 16 else 0)
+    stages = fields.get("stages", RUNS_STAGES if rows == 16 else 0)
     sets = _runs_sets(kind, n, rows)
     groups = math.ceil(k / 1024)  # a warp's step: 1024 weights of each of its rows
     warps = 1
@@ -2124,7 +2125,7 @@ def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
            and 2 * warps * stages * RUNS_STAGE_BYTES <= RUNS_SHARED_LIMIT):  # fmt: skip
         warps *= 2
     l2 = RUNS_L2_PREFETCH if rows == 16 and not stages else 0
-    return geometry_override(RunsConfig(warps, RUNS_PREFETCH, rows, l2, stages), RUNS_GEOMETRY_ENV)
+    return replace_geometry(RunsConfig(warps, RUNS_PREFETCH, rows, l2, stages), fields, RUNS_GEOMETRY_ENV)
 
 
 def _runs_sets(kind: str, n: int, rows: int) -> int:
