@@ -379,7 +379,7 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
                 calls = [lambda w=w, c=rcfg: qm.launch_dense_runs(x, w, n, config=c) for w in weights]
                 rows.append(dict(model=model, name=name, impl=_runs_impl("q4_0_matvec", rcfg), N=n, K=k, M=m,
                                  sets=sets, **timed(calls, quick, nbytes),
-                                 config=[rcfg.rows, rcfg.warps, rcfg.stages, rcfg.bulk]))  # fmt: skip
+                                 config=[rcfg.rows, rcfg.warps, rcfg.stages, rcfg.bulk, rcfg.dynamic]))  # fmt: skip
         if mma and on_gpu and ggml_type == qm.Q4_0 and dtype == mx.bfloat16 and custom_kernels.backend() == "cuda":
             mcfg = mma if isinstance(mma, qm.MmaConfig) else qm.default_mma_config(n)
             calls = [lambda w=w: qm.launch_dense_mma(x, w, n, config=mcfg) for w in weights]
@@ -406,23 +406,20 @@ RUNS_STAGES = (1, 2, 3)
 
 
 def runs_variants(kind: str, n: int, k: int) -> list:
-    """The default RunsConfig, then the staged 16-row form at each of RUNS_STAGES (default warps,
-    halved until the stage slots fit in static shared memory), with 16-byte and with bulk copies."""
-    base = qm.default_runs_config(kind, n, k)
-    out = [base]
+    """The default RunsConfig, then the staged 16-row form at each of RUNS_STAGES with 16-byte and
+    with bulk copies (warps as default_runs_config would choose for that stage count), and with 2
+    slots in dynamic shared memory where that allows more warps than static."""
+    out = [qm.default_runs_config(kind, n, k)]
     for stages in RUNS_STAGES:
-        warps = base.warps
-        while warps > 1 and warps * stages * qm.RUNS_STAGE_BYTES > qm.RUNS_SHARED_LIMIT:
-            warps //= 2
-        for bulk in (0, 1):
-            cfg = qm.RunsConfig(warps, 0, 16, 0, stages, bulk)
-            if cfg != base:
-                out.append(cfg)
-    return out
+        warps = qm.runs_warps(kind, n, k, 16, stages)
+        out += [c for c in (qm.RunsConfig(warps, 0, 16, 0, stages, bulk) for bulk in (0, 1)) if c != out[0]]
+    dyn = qm.RunsConfig(qm.runs_warps(kind, n, k, 16, 2, qm.RUNS_DYNAMIC_LIMIT), 0, 16, 0, 2, 0, 1)
+    return out + ([dyn] if dyn.warps * 2 * qm.RUNS_STAGE_BYTES > qm.RUNS_SHARED_LIMIT else [])
 
 
 def _runs_impl(prefix: str, cfg) -> str:
-    return f"{prefix}_runs{cfg.rows}" + (f"{'b' if cfg.bulk else 's'}{cfg.stages}" if cfg.stages else "")
+    form = "b" if cfg.bulk else "d" if cfg.dynamic else "s"
+    return f"{prefix}_runs{cfg.rows}" + (f"{form}{cfg.stages}" if cfg.stages else "")
 
 
 def gate_up_case(model, f, k, ms, dtype, quick, on_gpu):

@@ -861,12 +861,15 @@ def plan_launch(ggml_type: int, kind: str, dtype_name: str, m: int, n: int, k: i
 
 
 def _run(kdef: _KernelDef | KernelSource, inputs: Sequence[mx.array], plan: LaunchPlan, dtype: mx.Dtype,
-         init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+         init_value: float | None = None, out_shape: tuple[int, ...] | None = None,
+         cuda_shared_memory: int = 0) -> mx.array:  # fmt: skip
     """One launch -> the output, in ``out_shape`` when given (the plan's element count in another
-    shape: the kernels index their output flat, so the caller needs no reshape node)."""
+    shape: the kernels index their output flat, so the caller needs no reshape node);
+    ``cuda_shared_memory``: dynamic shared memory of the CUDA kernel, bytes."""
     if out_shape is not None and math.prod(out_shape) != math.prod(plan.output_shape):
         raise ValueError(f"output shape {out_shape} does not hold the {plan.output_shape} result")
-    kernel = get_kernel(kdef.name, kdef.input_names, kdef.output_names, kdef.text["metal"], kdef.text["cuda"])
+    kernel = get_kernel(kdef.name, kdef.input_names, kdef.output_names, kdef.text["metal"], kdef.text["cuda"],
+                        cuda_shared_memory=cuda_shared_memory)  # fmt: skip
     template = template_args(plan.template)
     (out,) = kernel(
         inputs=list(inputs),
@@ -1932,7 +1935,7 @@ __device__ __forceinline__ void g4_runs16_staged_loop(float (&acc)[4], uint8_t* 
 }
 """
 
-_RUNS16S_LOOP_TEXT = r"""  __shared__ __align__(16) uint8_t stage_s[NW * STG * 16 * 288];
+_RUNS16S_LOOP_TEXT = r"""  @STAGE@
   uint8_t* stage = stage_s + warp * STG * 16 * 288;
   // byte offset of A row r's weight row (a missing row: row 0), from the launch's parameters each
   // time it is asked: values held across the staged loop would cost registers (occupancy)
@@ -1956,8 +1959,11 @@ _RUNS16S_LOOP_TEXT = r"""  __shared__ __align__(16) uint8_t stage_s[NW * STG * 1
   }
 """
 
-_RUNS16S_LOOP = _RUNS16S_LOOP_TEXT.replace("@FN@", "g4_runs16_staged_loop")
-_RUNS16B_LOOP = _RUNS16S_LOOP_TEXT.replace("@FN@", "g4_runs16_bulk_loop")
+_STATIC_STAGE = "__shared__ __align__(16) uint8_t stage_s[NW * STG * 16 * 288];"
+_DYNAMIC_STAGE = "extern __shared__ __align__(16) uint8_t stage_s[];  // NW * STG * 16 * 288 bytes, given at launch"
+_RUNS16S_LOOP = _RUNS16S_LOOP_TEXT.replace("@FN@", "g4_runs16_staged_loop").replace("@STAGE@", _STATIC_STAGE)
+_RUNS16B_LOOP = _RUNS16S_LOOP_TEXT.replace("@FN@", "g4_runs16_bulk_loop").replace("@STAGE@", _STATIC_STAGE)
+_RUNS16D_LOOP = _RUNS16S_LOOP_TEXT.replace("@FN@", "g4_runs16_staged_loop").replace("@STAGE@", _DYNAMIC_STAGE)
 
 # The bulk-copy form of the staged kernels (RunsConfig.bulk = 1, kernels g4_q4_0_matvec_runs16b /
 # g4_q4_0_gate_up_runs16b; not yet run on a GPU): the same slots and arithmetic, but each step is
@@ -2042,6 +2048,9 @@ RUNS_STAGE_BYTES = 16 * 288
 """Shared memory of one stage slot of a staged runs16 warp (4 runs, 288 bytes, of each of 16 rows)."""
 RUNS_SHARED_LIMIT = 48 * 1024
 """Static shared memory per threadgroup on CUDA: warps x stages x RUNS_STAGE_BYTES stay below it."""
+RUNS_DYNAMIC_LIMIT = 200 * 1024
+"""Dynamic shared memory per threadgroup for the staged slots (RunsConfig.dynamic; Hopper allows
+227 KB per threadgroup, less the kernel's static arrays)."""
 RUNS_STAGES = 2
 """default_runs_config's stages for the 16-row form: the staged kernels with 2 slots. Measured on
 the H200 (bench/NOTES.md, session 14): 31B gate|up per layer in the step 69.6 -> 61.8 us, E4B
@@ -2067,8 +2076,10 @@ class RunsConfig:
     kernels; RUNS_ROWS, the default), l2_prefetch = 1 to give the 16-row form's 16-byte
     weight loads the L2::256B hint, stages = STG >= 1 for the staged 16-row form (weights
     through shared memory in STG slots of 4 runs per row, refilled STG steps ahead; 0: runs16
-    itself), and bulk = 1 to fill the slots with bulk copies (cp.async.bulk, one per row and
-    step) instead of 16-byte cp.async (not yet run on a GPU)."""
+    itself), bulk = 1 to fill the slots with bulk copies (cp.async.bulk, one per row and
+    step) instead of 16-byte cp.async (not yet run on a GPU), and dynamic = 1 to give the
+    staged slots dynamic shared memory (up to RUNS_DYNAMIC_LIMIT instead of the 48 KB of static
+    shared memory: 8 warps x 2 slots for rows with few row sets; not yet run on a GPU)."""
 
     warps: int = 1
     prefetch: int = 0
@@ -2076,6 +2087,7 @@ class RunsConfig:
     l2_prefetch: int = 0
     stages: int = 0
     bulk: int = 0
+    dynamic: int = 0
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8):
@@ -2092,9 +2104,12 @@ class RunsConfig:
             raise ValueError("stages is 0..4, and staging needs rows=16 without l2_prefetch")
         if self.bulk not in (0, 1) or (self.bulk and not self.stages):
             raise ValueError("bulk is 0 or 1, and 1 needs stages >= 1")
-        if self.warps * self.stages * RUNS_STAGE_BYTES > RUNS_SHARED_LIMIT:
+        if self.dynamic not in (0, 1) or (self.dynamic and (not self.stages or self.bulk)):
+            raise ValueError("dynamic is 0 or 1, and 1 needs stages >= 1 without bulk")
+        limit = RUNS_DYNAMIC_LIMIT if self.dynamic else RUNS_SHARED_LIMIT
+        if self.warps * self.stages * RUNS_STAGE_BYTES > limit:
             raise ValueError(f"{self.warps} warps x {self.stages} stages x {RUNS_STAGE_BYTES} bytes exceed "
-                             f"{RUNS_SHARED_LIMIT} bytes of static shared memory")  # fmt: skip
+                             f"{limit} bytes of {'dynamic' if self.dynamic else 'static'} shared memory")  # fmt: skip
 
 
 RUNS_PREFETCH = 0
@@ -2118,14 +2133,22 @@ def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
     if rows not in (8, 16):
         raise ValueError(f"{RUNS_GEOMETRY_ENV}: rows must be 8 or 16, got {rows}")
     stages = fields.get("stages", RUNS_STAGES if rows == 16 else 0)
+    dynamic = fields.get("dynamic", 0)
+    warps = runs_warps(kind, n, k, rows, stages, RUNS_DYNAMIC_LIMIT if dynamic == 1 else RUNS_SHARED_LIMIT)
+    l2 = RUNS_L2_PREFETCH if rows == 16 and not stages else 0
+    return replace_geometry(RunsConfig(warps, RUNS_PREFETCH, rows, l2, stages, 0, dynamic), fields, RUNS_GEOMETRY_ENV)
+
+
+def runs_warps(kind: str, n: int, k: int, rows: int, stages: int, limit: int = RUNS_SHARED_LIMIT) -> int:
+    """Warps per row set: doubled from 1 (up to 8, and no more than a row's 1024-weight steps)
+    while the grid holds fewer than RUNS_TARGET_WARPS warps and the staged slots fit in `limit`."""
     sets = _runs_sets(kind, n, rows)
     groups = math.ceil(k / 1024)  # a warp's step: 1024 weights of each of its rows
     warps = 1
     while (warps < 8 and 2 * warps <= groups and sets * warps < RUNS_TARGET_WARPS
-           and 2 * warps * stages * RUNS_STAGE_BYTES <= RUNS_SHARED_LIMIT):  # fmt: skip
+           and 2 * warps * stages * RUNS_STAGE_BYTES <= limit):  # fmt: skip
         warps *= 2
-    l2 = RUNS_L2_PREFETCH if rows == 16 and not stages else 0
-    return replace_geometry(RunsConfig(warps, RUNS_PREFETCH, rows, l2, stages), fields, RUNS_GEOMETRY_ENV)
+    return warps
 
 
 def _runs_sets(kind: str, n: int, rows: int) -> int:
@@ -2138,15 +2161,17 @@ def runs_supported(x_dtype: mx.Dtype, k: int) -> bool:
     return x_dtype == mx.bfloat16 and k > 0 and k % 256 == 0
 
 
-def _runs_def(kind: str, rows: int = 8, staged: bool = False, bulk: bool = False) -> _KernelDef:
-    """The runs kernel of one form: 8 rows, 16 rows (runs16), staged 16 rows, staged with bulk copies."""
-    form = "b" if bulk else "s" if staged else ""
+def _runs_def(kind: str, rows: int = 8, staged: bool = False, bulk: bool = False, dynamic: bool = False) -> _KernelDef:
+    """The runs kernel of one form: 8 rows, 16 rows (runs16), staged 16 rows (slots in static or
+    dynamic shared memory), staged with bulk copies."""
+    form = "b" if bulk else "d" if dynamic else "s" if staged else ""
     key = (Q4_0, f"runs{rows}{form}_{kind}")
     if key not in _KERNEL_DEFS:
         suffix = f"16{form}" if rows == 16 else ""
         name = {"dense": "g4_q4_0_matvec_runs", "gate_up": "g4_q4_0_gate_up_runs"}[kind] + suffix
         body = (_RUNS16_BODY_CUDA if rows == 16 else _RUNS_BODY_CUDA).replace("@GU@", "1" if kind == "gate_up" else "0")
-        body = body.replace("@LOOP@", _RUNS16B_LOOP if bulk else _RUNS16S_LOOP if staged else _RUNS16_LOOP)
+        body = body.replace("@LOOP@", _RUNS16B_LOOP if bulk else _RUNS16D_LOOP if dynamic else
+                            _RUNS16S_LOOP if staged else _RUNS16_LOOP)  # fmt: skip
         header = prelude("cuda") + _MMA_HEADER_CUDA + _RUNS_HEADER_CUDA
         if rows == 16:
             header += _RUNS16_HEADER_CUDA + (_STREAM_CP_ASYNC_CUDA + _RUNS16S_HEADER_CUDA if staged else "")
@@ -2198,8 +2223,14 @@ def _launch_runs(kind: str, x: mx.array, blocks: mx.array, rows: int, n: int, co
     if math.prod(x.shape[:-1]) != 1:
         raise ValueError(f"the runs kernels take one token, got x of shape {x.shape}")
     cfg = config or default_runs_config(kind, n, x.shape[-1])
-    kdef = _runs_def(kind, cfg.rows, cfg.stages > 0, cfg.bulk == 1)
-    return _run(kdef, [x, blocks], plan_runs(kind, n, x.shape[-1], cfg), x.dtype, init_value, out_shape)
+    kdef = _runs_def(kind, cfg.rows, cfg.stages > 0, cfg.bulk == 1, cfg.dynamic == 1)
+    return _run(kdef, [x, blocks], plan_runs(kind, n, x.shape[-1], cfg), x.dtype, init_value, out_shape,
+                runs_dynamic_bytes(cfg))  # fmt: skip
+
+
+def runs_dynamic_bytes(cfg: RunsConfig) -> int:
+    """Dynamic shared memory a runs kernel launch needs (its staged slots when cfg.dynamic, else 0)."""
+    return cfg.warps * cfg.stages * RUNS_STAGE_BYTES if cfg.dynamic else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -2610,17 +2641,22 @@ def _runs_case(rng, kind, n, k, config):
                                    output_shapes=[(1, n)], expected=[case.expected[0].reshape(1, n)])
     plan = plan_runs(kind, n, k, config)
     return dataclasses.replace(case, template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
-                               label=f"{kind} N={n} K={k} {config}")
+                               label=f"{kind} N={n} K={k} {config}", cuda_shared_memory=runs_dynamic_bytes(config))
 
 
-def _runs_cases(kind: str, rows: int = 8, staged: bool = False, bulk: int = 0):
+def _runs_cases(kind: str, rows: int = 8, staged: bool = False, bulk: int = 0, dynamic: int = 0):
     """Odd row counts (a partial last row set), one run per row (three lanes of four idle), a
     partial last group of runs (K = 2560, 5376), more warps than groups (idle warps); staged: every
     stage count, a last step of 2 runs (K = 5376), more warps than steps."""
 
     def make(rng: np.random.Generator):
         if staged:
-            r = lambda warps, stages: RunsConfig(warps, 0, 16, 0, stages, bulk)  # noqa: E731
+            r = lambda warps, stages: RunsConfig(warps, 0, 16, 0, stages, bulk, dynamic)  # noqa: E731
+            if dynamic:  # past the 48 KB of static shared memory: 8 warps x 2 slots, 4 x 4
+                if kind == "dense":
+                    return [_runs_case(rng, kind, 37, 5376, r(8, 2)), _runs_case(rng, kind, 16, 2560, r(4, 4)),
+                            _runs_case(rng, kind, 9, 256, r(1, 2))]  # fmt: skip
+                return [_runs_case(rng, kind, 11, 5376, r(8, 2)), _runs_case(rng, kind, 6, 2816, r(2, 2))]
             if kind == "dense":
                 return [_runs_case(rng, kind, 37, 256, r(1, 1)), _runs_case(rng, kind, 45, 2560, r(2, 2)),
                         _runs_case(rng, kind, 16, 5376, r(1, 2)), _runs_case(rng, kind, 9, 768, r(8, 1)),
@@ -2659,11 +2695,12 @@ def kernel_specs():
         sdef = _stream_def(kind)
         specs.append(KernelSpec(sdef.name, sdef.input_names, sdef.output_names, "", "", *sdef.text["cuda"],
                                 _stream_cases(kind)))  # fmt: skip
-    for rows, staged, bulk in ((8, False, 0), (16, False, 0), (16, True, 0), (16, True, 1)):
+    for rows, staged, bulk, dynamic in ((8, False, 0, 0), (16, False, 0, 0), (16, True, 0, 0), (16, True, 1, 0),
+                                        (16, True, 0, 1)):  # fmt: skip
         for kind in ("dense", "gate_up"):  # CUDA only: no Metal text
-            rdef = _runs_def(kind, rows, staged, bulk == 1)
+            rdef = _runs_def(kind, rows, staged, bulk == 1, dynamic == 1)
             specs.append(KernelSpec(rdef.name, rdef.input_names, rdef.output_names, "", "", *rdef.text["cuda"],
-                                    _runs_cases(kind, rows, staged, bulk)))  # fmt: skip
+                                    _runs_cases(kind, rows, staged, bulk, dynamic)))  # fmt: skip
     for ggml_type, kind in _ALL_KERNELS:
         kdef = _kernel_def(ggml_type, kind)
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]

@@ -51,6 +51,7 @@ class KernelCase:
     atol: float
     input_dtypes: dict[str, str] = field(default_factory=dict)  # name -> MLX dtype name override
     label: str = ""  # human-readable description for test ids
+    cuda_shared_memory: int = 0  # dynamic shared memory (bytes) the CUDA kernel is created with
 
 
 @dataclass(frozen=True)

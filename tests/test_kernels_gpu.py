@@ -367,8 +367,8 @@ def _misaligned(raw: np.ndarray, offset: int) -> mx.array:
 def test_q4_0_runs_kernels(n, k):
     """The one-token runs kernels (dense and gate|up), 8-row form at every warp count with and
     without the prefetch of the next run, 16-row form at every warp count (and with the L2
-    prefetch-size hint), staged 16-row form at 1, 2 and 4 stages with 16-byte or bulk copies, on
-    aligned blocks and x
+    prefetch-size hint), staged 16-row form at 1, 2 and 4 stages with 16-byte or bulk copies and in
+    dynamic shared memory, on aligned blocks and x
     and on blocks and x that start 2 bytes past a 16-byte boundary (the 2-byte-load fallbacks)."""
     rng = np.random.default_rng(41)
     raw = qm.random_blocks(rng, qm.Q4_0, (n,), k)
@@ -381,13 +381,14 @@ def test_q4_0_runs_kernels(n, k):
     x_off = mx.array(np.concatenate([[0.0], np.array(x.astype(mx.float32))[0]]).astype(np.float32)).astype(
         mx.bfloat16)[1:][None]  # fmt: skip
     assert mx.array_equal(x_off, x).item()
-    for warps, prefetch, rows, l2, stages, bulk in (
-        (1, 0, 8, 0, 0, 0), (2, 0, 8, 0, 0, 0), (4, 0, 8, 0, 0, 0), (8, 0, 8, 0, 0, 0), (1, 1, 8, 0, 0, 0),
-        (2, 1, 8, 0, 0, 0), (8, 1, 8, 0, 0, 0), (1, 0, 16, 0, 0, 0), (2, 0, 16, 0, 0, 0), (4, 0, 16, 0, 0, 0),
-        (8, 0, 16, 0, 0, 0), (1, 0, 16, 1, 0, 0), (8, 0, 16, 1, 0, 0), (1, 0, 16, 0, 1, 0), (2, 0, 16, 0, 1, 0),
-        (8, 0, 16, 0, 1, 0), (1, 0, 16, 0, 2, 0), (2, 0, 16, 0, 2, 0), (1, 0, 16, 0, 4, 0), (1, 0, 16, 0, 1, 1),
-        (8, 0, 16, 0, 1, 1), (1, 0, 16, 0, 2, 1), (2, 0, 16, 0, 2, 1), (1, 0, 16, 0, 4, 1)):  # fmt: skip
-        cfg = qm.RunsConfig(warps, prefetch, rows, l2, stages, bulk)
+    for warps, prefetch, rows, l2, stages, bulk, dyn in (
+        (1, 0, 8, 0, 0, 0, 0), (2, 0, 8, 0, 0, 0, 0), (4, 0, 8, 0, 0, 0, 0), (8, 0, 8, 0, 0, 0, 0), (1, 1, 8, 0, 0, 0, 0),
+        (2, 1, 8, 0, 0, 0, 0), (8, 1, 8, 0, 0, 0, 0), (1, 0, 16, 0, 0, 0, 0), (2, 0, 16, 0, 0, 0, 0), (4, 0, 16, 0, 0, 0, 0),
+        (8, 0, 16, 0, 0, 0, 0), (1, 0, 16, 1, 0, 0, 0), (8, 0, 16, 1, 0, 0, 0), (1, 0, 16, 0, 1, 0, 0), (2, 0, 16, 0, 1, 0, 0),
+        (8, 0, 16, 0, 1, 0, 0), (1, 0, 16, 0, 2, 0, 0), (2, 0, 16, 0, 2, 0, 0), (1, 0, 16, 0, 4, 0, 0), (1, 0, 16, 0, 1, 1, 0),
+        (8, 0, 16, 0, 1, 1, 0), (1, 0, 16, 0, 2, 1, 0), (2, 0, 16, 0, 2, 1, 0), (1, 0, 16, 0, 4, 1, 0), (8, 0, 16, 0, 2, 0, 1),
+        (4, 0, 16, 0, 4, 0, 1)):  # fmt: skip
+        cfg = qm.RunsConfig(warps, prefetch, rows, l2, stages, bulk, dyn)
         for what, xx, bb, bb2 in (("aligned", x, blocks, mx.array(raw[: 2 * f])),
                                   ("misaligned", x_off, _misaligned(raw, 2), _misaligned(raw[: 2 * f], 2))):  # fmt: skip
             out = qm.launch_dense_runs(xx, bb, n, cfg, init_value=NAN)

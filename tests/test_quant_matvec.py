@@ -235,8 +235,15 @@ def test_runs_plans_and_geometry(monkeypatch):
     assert (cfg.stages, cfg.bulk) == (qm.RUNS_STAGES, 1)
     assert dict(qm.plan_runs("gate_up", 21504, 5376).template) == {"T": "bfloat16", "NW": 1, "STG": qm.RUNS_STAGES}
     assert qm._runs_def("gate_up", 16, True, True).name == "g4_q4_0_gate_up_runs16b"
+    monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "dynamic=1")  # slots past 48 KB: 8 warps x 2 slots
+    cfg = qm.default_runs_config("dense", 5376, 21504)
+    assert (cfg.warps, cfg.stages, cfg.dynamic) == (8, qm.RUNS_STAGES, 1)
+    assert qm.runs_dynamic_bytes(cfg) == 8 * qm.RUNS_STAGES * qm.RUNS_STAGE_BYTES
+    assert qm.runs_dynamic_bytes(qm.RunsConfig(8, 0, 16, 0, 1)) == 0
+    assert qm._runs_def("dense", 16, True, False, True).name == "g4_q4_0_matvec_runs16d"
     for bad in (dict(rows=8, stages=2), dict(stages=5), dict(stages=-1), dict(l2_prefetch=1, stages=2),
-                dict(warps=8, stages=2), dict(warps=4, stages=3), dict(bulk=1), dict(stages=2, bulk=2)):  # fmt: skip
+                dict(warps=8, stages=2), dict(warps=4, stages=3), dict(bulk=1), dict(stages=2, bulk=2),
+                dict(dynamic=1), dict(stages=2, bulk=1, dynamic=1)):  # fmt: skip
         with pytest.raises(ValueError):
             qm.RunsConfig(**bad)
     monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "warps=5")

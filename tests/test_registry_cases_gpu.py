@@ -36,7 +36,8 @@ INT_POISON = -7.0  # an index no kernel writes
 def _launch(spec, case) -> list[np.ndarray]:
     kernel = mx.fast.cuda_kernel(name=custom_kernels.mlx_kernel_name(spec.name, spec.cuda_header, spec.cuda_source),
                                  input_names=list(spec.input_names), output_names=list(spec.output_names),
-                                 source=spec.cuda_source, header=spec.cuda_header)  # fmt: skip
+                                 source=spec.cuda_source, header=spec.cuda_header,
+                                 shared_memory=case.cuda_shared_memory)  # fmt: skip
     inputs = []
     for name in spec.input_names:
         a = mx.array(case.inputs[name])

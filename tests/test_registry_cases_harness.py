@@ -17,7 +17,8 @@ def _stand_in(case, write: bool):
     """mx.fast.cuda_kernel's stand-in for one case: checks what the harness hands over, then returns
     the expected values (write) or the poisoned outputs as they were before the launch."""
 
-    def factory(*, name, input_names, output_names, source, header):
+    def factory(*, name, input_names, output_names, source, header, shared_memory):
+        assert shared_memory == case.cuda_shared_memory
         def call(*, inputs, output_shapes, output_dtypes, grid, threadgroup, template, init_value):
             assert all(not isinstance(v, str) for _, v in template)  # dtype names became MLX dtypes
             for n, a in zip(input_names, inputs, strict=True):
