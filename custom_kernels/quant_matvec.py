@@ -2057,6 +2057,22 @@ the H200 (bench/NOTES.md, session 14): 31B gate|up per layer in the step 69.6 ->
 20.4 -> 17.5 us; at the kernel bench's back-to-back rate the 31B gate|up reads at 82% of copy
 (runs16 61%). stages=0 brings runs16 back."""
 
+RUNS_DENSE_STAGES = 1
+"""default_runs_config's stages for dense rows (family quant_matvec_runs): 1 slot, so that 8 warps
+share a row set within the 48 KB of static shared memory. Measured on the H200 (bench/NOTES.md,
+session 15, 12-layer 31B step): q|k|v / o_proj / down 31 / 15 / 32 us per call against 33 / 16 / 37
+for the split-K kernel; 2 slots in dynamic shared memory (8 warps) were no faster than 1."""
+
+RUNS_BULK = 1
+"""default_runs_config's bulk for the staged forms: each row's step arrives by one cp.async.bulk.
+Measured on the H200 (bench/NOTES.md, session 15, 12-layer 31B step): gate|up per call 62.3 ->
+59.2 us; the dense rows 26.9 -> 24.4 us (o_proj and down, 8 warps x 1 slot)."""
+
+RUNS_DENSE_MIN_WARPS = 2048
+"""Dense rows take the runs kernel only when its grid holds at least this many warps (row sets x
+warps per set): the 31B projections do (2,048-2,688); E4B's do not (320-1,280; the 16-row form was
+slower there than split-K, bench/NOTES.md session 13)."""
+
 RUNS_GEOMETRY_ENV = "GEMMA4_MLX_RUNS_GEOMETRY"
 """RunsConfig fields over default_runs_config's, e.g. "warps=2" (tuning)."""
 
@@ -2077,9 +2093,9 @@ class RunsConfig:
     weight loads the L2::256B hint, stages = STG >= 1 for the staged 16-row form (weights
     through shared memory in STG slots of 4 runs per row, refilled STG steps ahead; 0: runs16
     itself), bulk = 1 to fill the slots with bulk copies (cp.async.bulk, one per row and
-    step) instead of 16-byte cp.async (not yet run on a GPU), and dynamic = 1 to give the
+    step) instead of 16-byte cp.async (RUNS_BULK, the default), and dynamic = 1 to give the
     staged slots dynamic shared memory (up to RUNS_DYNAMIC_LIMIT instead of the 48 KB of static
-    shared memory: 8 warps x 2 slots for rows with few row sets; not yet run on a GPU)."""
+    shared memory: 8 warps x 2 slots for rows with few row sets; no faster than 1 slot, opt-in)."""
 
     warps: int = 1
     prefetch: int = 0
@@ -2132,11 +2148,19 @@ def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
     rows = fields.get("rows", RUNS_ROWS)
     if rows not in (8, 16):
         raise ValueError(f"{RUNS_GEOMETRY_ENV}: rows must be 8 or 16, got {rows}")
-    stages = fields.get("stages", RUNS_STAGES if rows == 16 else 0)
+    stages = fields.get("stages", (RUNS_STAGES if kind == "gate_up" else RUNS_DENSE_STAGES) if rows == 16 else 0)
     dynamic = fields.get("dynamic", 0)
+    bulk = RUNS_BULK if stages and dynamic != 1 else 0
     warps = runs_warps(kind, n, k, rows, stages, RUNS_DYNAMIC_LIMIT if dynamic == 1 else RUNS_SHARED_LIMIT)
     l2 = RUNS_L2_PREFETCH if rows == 16 and not stages else 0
-    return replace_geometry(RunsConfig(warps, RUNS_PREFETCH, rows, l2, stages, 0, dynamic), fields, RUNS_GEOMETRY_ENV)
+    return replace_geometry(RunsConfig(warps, RUNS_PREFETCH, rows, l2, stages, bulk, dynamic), fields,
+                            RUNS_GEOMETRY_ENV)  # fmt: skip
+
+
+def dense_runs_wide(n: int, k: int) -> bool:
+    """True when dense rows [n, k] give the runs kernel's default grid RUNS_DENSE_MIN_WARPS warps or more."""
+    cfg = default_runs_config("dense", n, k)
+    return _runs_sets("dense", n, cfg.rows) * cfg.warps >= RUNS_DENSE_MIN_WARPS
 
 
 def runs_warps(kind: str, n: int, k: int, rows: int, stages: int, limit: int = RUNS_SHARED_LIMIT) -> int:
@@ -2199,7 +2223,7 @@ def plan_runs(kind: str, n: int, k: int, config: RunsConfig | None = None) -> La
 
 def _use_runs(x_dtype: mx.Dtype, k: int, family: str) -> bool:
     """A runs kernel for this one-token Q4_0 call? (families "gate_up_runs" for a dense MLP's
-    gate|up, a CUDA default, and "quant_matvec_runs" for dense rows, opt-in; CUDA only)"""
+    gate|up, and "quant_matvec_runs" for dense rows wide enough (dense_runs_wide); CUDA defaults)"""
     return backend() == "cuda" and runs_supported(x_dtype, k) and use_kernel(family)
 
 
@@ -2251,7 +2275,7 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     # every dense kernel reads K from x's last dimension and writes its rows flat: x goes in
     # unreshaped and the output comes out in the caller's shape (no reshape nodes)
     out_shape = (*lead, n)
-    if ggml_type == Q4_0 and m == 1 and _use_runs(x.dtype, x.shape[-1], "quant_matvec_runs"):
+    if ggml_type == Q4_0 and m == 1 and _use_runs(x.dtype, x.shape[-1], "quant_matvec_runs") and dense_runs_wide(n, x.shape[-1]):
         return launch_dense_runs(x, blocks, n, out_shape=out_shape)
     if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1], m):
         return launch_dense_stream(x, blocks, n, out_shape=out_shape)

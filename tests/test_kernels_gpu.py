@@ -402,10 +402,11 @@ def test_q4_0_runs_kernels(n, k):
 
 
 def test_q4_0_runs_dispatch(monkeypatch):
-    """With families quant_matvec_runs and gate_up_runs on, one-token bf16 Q4_0 calls (dense, gate_up, x with lead
-    dims) go to the runs kernels and stay as accurate; K not a multiple of 256, f32 and M = 2 keep
-    their kernels."""
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "quant_matvec_runs,gate_up_runs")
+    """With families quant_matvec_runs and gate_up_runs on (the CUDA defaults) and no grid-width bar for
+    dense rows, one-token bf16 Q4_0 calls (dense, gate_up, x with lead dims) go to the runs kernels
+    and stay as accurate; K not a multiple of 256, f32 and M = 2 keep their kernels."""
+    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
+    monkeypatch.setattr(qm, "RUNS_DENSE_MIN_WARPS", 0)
     launched = []
     for name in ("launch_dense_runs", "launch_gate_up_runs"):
         real = getattr(qm, name)

@@ -180,8 +180,8 @@ def test_runs_plans_and_geometry(monkeypatch):
     pairs) per threadgroup, warps doubled while the grid is small and a row has runs for them, the
     environment override, and the inputs they refuse."""
     monkeypatch.delenv(qm.RUNS_GEOMETRY_ENV, raising=False)
-    assert qm.default_runs_config("gate_up", 21504, 5376) == qm.RunsConfig(1, 0, 16, 0, qm.RUNS_STAGES)
-    assert qm.RUNS_STAGES == 2
+    assert qm.default_runs_config("gate_up", 21504, 5376) == qm.RunsConfig(1, 0, 16, 0, qm.RUNS_STAGES, qm.RUNS_BULK)
+    assert (qm.RUNS_STAGES, qm.RUNS_BULK) == (2, 1)
     assert qm.RUNS_ROWS == 16 and qm.RunsConfig().rows == 16
     monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "rows=12")
     with pytest.raises(ValueError, match=qm.RUNS_GEOMETRY_ENV):
@@ -235,10 +235,10 @@ def test_runs_plans_and_geometry(monkeypatch):
     assert (cfg.stages, cfg.bulk) == (qm.RUNS_STAGES, 1)
     assert dict(qm.plan_runs("gate_up", 21504, 5376).template) == {"T": "bfloat16", "NW": 1, "STG": qm.RUNS_STAGES}
     assert qm._runs_def("gate_up", 16, True, True).name == "g4_q4_0_gate_up_runs16b"
-    monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "dynamic=1")  # slots past 48 KB: 8 warps x 2 slots
+    monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "dynamic=1,stages=2")  # slots past 48 KB: 8 warps x 2 slots
     cfg = qm.default_runs_config("dense", 5376, 21504)
-    assert (cfg.warps, cfg.stages, cfg.dynamic) == (8, qm.RUNS_STAGES, 1)
-    assert qm.runs_dynamic_bytes(cfg) == 8 * qm.RUNS_STAGES * qm.RUNS_STAGE_BYTES
+    assert (cfg.warps, cfg.stages, cfg.bulk, cfg.dynamic) == (8, 2, 0, 1)
+    assert qm.runs_dynamic_bytes(cfg) == 8 * 2 * qm.RUNS_STAGE_BYTES
     assert qm.runs_dynamic_bytes(qm.RunsConfig(8, 0, 16, 0, 1)) == 0
     assert qm._runs_def("dense", 16, True, False, True).name == "g4_q4_0_matvec_runs16d"
     for bad in (dict(rows=8, stages=2), dict(stages=5), dict(stages=-1), dict(l2_prefetch=1, stages=2),
@@ -264,10 +264,11 @@ def test_runs_plans_and_geometry(monkeypatch):
 
 
 def test_runs_families(monkeypatch):
-    """gate_up_runs (a dense MLP's gate|up) is on by default on CUDA only, for bf16 x and K a
-    multiple of 256; quant_matvec_runs (dense rows) only when named."""
-    assert "gate_up_runs" in custom_kernels.PROVEN and "gate_up_runs" in custom_kernels.CUDA_ONLY
-    assert "quant_matvec_runs" in custom_kernels.FAMILIES and "quant_matvec_runs" not in custom_kernels.PROVEN
+    """gate_up_runs (a dense MLP's gate|up) and quant_matvec_runs (dense rows) are on by default on
+    CUDA only, for bf16 x and K a multiple of 256; dense rows only where the grid is wide (the
+    31B projections, not E4B's); GEMMA4_MLX_KERNELS_OFF turns either off."""
+    for family in ("gate_up_runs", "quant_matvec_runs"):
+        assert family in custom_kernels.PROVEN and family in custom_kernels.CUDA_ONLY
     monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
     monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
     for which in ("metal", "cuda"):
@@ -275,11 +276,18 @@ def test_runs_families(monkeypatch):
         monkeypatch.setattr(custom_kernels, "backend", lambda which=which: which)
         assert qm._use_runs(mx.bfloat16, 2560, "gate_up_runs") == (which == "cuda")
     assert not qm._use_runs(mx.bfloat16, 2592, "gate_up_runs") and not qm._use_runs(mx.float32, 2560, "gate_up_runs")
-    assert not qm._use_runs(mx.bfloat16, 2560, "quant_matvec_runs")
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "quant_matvec_runs")
     assert qm._use_runs(mx.bfloat16, 2560, "quant_matvec_runs")
-    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "gate_up_runs")
+    monkeypatch.delenv(qm.RUNS_GEOMETRY_ENV, raising=False)
+    # 31B q|k|v (sliding and full layers), o_proj, down; E4B q|k|v, o_proj, down; 12B down
+    for (n, k), wide in {(16384, 5376): True, (18432, 5376): True, (5376, 8192): True, (5376, 21504): True,
+                         (3072, 2560): False, (2560, 2048): False, (2560, 10240): False,
+                         (3840, 15360): False}.items():  # fmt: skip
+        assert qm.dense_runs_wide(n, k) == wide, (n, k)
+    cfg = qm.default_runs_config("dense", 5376, 21504)
+    assert (cfg.warps, cfg.stages, cfg.bulk) == (8, qm.RUNS_DENSE_STAGES, qm.RUNS_BULK) == (8, 1, 1)
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "gate_up_runs,quant_matvec_runs")
     assert not qm._use_runs(mx.bfloat16, 2560, "gate_up_runs")
+    assert not qm._use_runs(mx.bfloat16, 2560, "quant_matvec_runs")
 
 
 def test_backend_and_reference_switch(monkeypatch):
