@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: {res['plain']['tok_s']:.1f} tok/s, {res['plain']['ms_per_token']:.2f} ms/token, host "
                   f"{res['plain'].get('host_ms', 0):.2f} ms (unprofiled)", flush=True)
             try:
-                res.update(profile_steps(step, first, args.steps, os.path.join(trace_dir, f"trace-{label}.json")))
+                res.update(profile_steps(step, first, args.steps, os.path.join(trace_dir, f"trace-{label.replace(':', '-')}.json")))
                 print_summary(label, res)
             except (ImportError, ValueError, RuntimeError, AssertionError) as exc:
                 res["profile_error"] = f"{type(exc).__name__}: {exc}"[:400]
