@@ -1550,7 +1550,7 @@ def launch_gate_up_stream(x: mx.array, ids: mx.array, blocks: mx.array, f: int,
 # dense MLP's gate|up 37-45 -> 22.5 us per E4B layer, 102 -> 86-90 us per 31B layer (family
 # "gate_up_runs"; the 16-row form below has since replaced it as the default); the dense form is
 # slower than the split-K FMA kernel on the step's other projections (31B q|k|v 33 -> 41 us, down
-# 38 -> 46 us), so "quant_matvec_runs" stays opt-in. Nsight Compute: 79 registers (37.5%
+# 38 -> 46 us), so "quant_matvec_runs" stayed opt-in then. Nsight Compute: 79 registers (37.5%
 # occupancy), stalls on L1TEX loads, issue 28-33%.
 
 _RUNS_HEADER_CUDA = r"""
@@ -1691,8 +1691,8 @@ _RUNS_BODY_CUDA = r"""
 # instructions (27.9M), 71 us (95), DRAM 40%, 80 registers, still waiting on loads (10.5 of 17.1
 # cycles per instruction). Measured (H200, bench/NOTES.md session 13): a dense MLP's gate|up per
 # 31B layer 88 -> 71 us, per E4B layer 22.6 -> 20.7 us; the default (RUNS_ROWS). The dense form
-# about equals the split-K kernel on the 31B step's other projections, so quant_matvec_runs stays
-# opt-in.
+# about equals the split-K kernel on the 31B step's other projections (the staged bulk-copy form of
+# session 15 beats it there: quant_matvec_runs became a CUDA default for wide rows).
 
 _RUNS16_HEADER_CUDA = r"""
 // 16 bytes through the read-only path; L2P: with the L2::256B prefetch-size hint (the L2 fetches
@@ -1966,7 +1966,7 @@ _RUNS16B_LOOP = _RUNS16S_LOOP_TEXT.replace("@FN@", "g4_runs16_bulk_loop").replac
 _RUNS16D_LOOP = _RUNS16S_LOOP_TEXT.replace("@FN@", "g4_runs16_staged_loop").replace("@STAGE@", _DYNAMIC_STAGE)
 
 # The bulk-copy form of the staged kernels (RunsConfig.bulk = 1, kernels g4_q4_0_matvec_runs16b /
-# g4_q4_0_gate_up_runs16b; not yet run on a GPU): the same slots and arithmetic, but each step is
+# g4_q4_0_gate_up_runs16b; RUNS_BULK, the default since session 15): the same slots and arithmetic, but each step is
 # copied by the Hopper bulk-copy unit (cp.async.bulk, one per row: lanes 0..15 each copy their
 # row's 288 bytes) and waited for on an mbarrier per slot, instead of 9 16-byte cp.async per lane
 # through the load/store unit. SASS: 71 registers (staged 79); per step about as many
@@ -2141,9 +2141,12 @@ RUNS_TARGET_WARPS = 2048
 
 
 def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
-    """RUNS_ROWS rows per set, one warp per row set, doubled (up to 8, and no more than a row's
-    1024-weight steps) while the grid holds fewer than RUNS_TARGET_WARPS warps;
-    GEMMA4_MLX_RUNS_GEOMETRY overrides it (rows=8: the 8-row form; stages=0: runs16)."""
+    """RUNS_ROWS rows per set; staged slots filled by bulk copies (RUNS_BULK), RUNS_STAGES of them
+    for a gate|up and RUNS_DENSE_STAGES for dense rows; one warp per row set, doubled (up to 8, and
+    no more than a row's 1024-weight steps) while the grid holds fewer than RUNS_TARGET_WARPS warps
+    and the slots fit in static shared memory; GEMMA4_MLX_RUNS_GEOMETRY overrides it (rows=8: the
+    8-row form; stages=0: runs16; bulk=0: 16-byte cp.async copies; dynamic=1: slots in dynamic
+    shared memory, without bulk copies)."""
     fields = geometry_fields(RunsConfig(), RUNS_GEOMETRY_ENV)
     rows = fields.get("rows", RUNS_ROWS)
     if rows not in (8, 16):
@@ -2158,9 +2161,11 @@ def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
 
 
 def dense_runs_wide(n: int, k: int) -> bool:
-    """True when dense rows [n, k] give the runs kernel's default grid RUNS_DENSE_MIN_WARPS warps or more."""
-    cfg = default_runs_config("dense", n, k)
-    return _runs_sets("dense", n, cfg.rows) * cfg.warps >= RUNS_DENSE_MIN_WARPS
+    """True when dense rows [n, k] give the runs kernel's default grid (GEMMA4_MLX_RUNS_GEOMETRY
+    left aside, so that a geometry override never moves which rows take the kernel)
+    RUNS_DENSE_MIN_WARPS warps or more."""
+    warps = runs_warps("dense", n, k, RUNS_ROWS, RUNS_DENSE_STAGES)
+    return _runs_sets("dense", n, RUNS_ROWS) * warps >= RUNS_DENSE_MIN_WARPS
 
 
 def runs_warps(kind: str, n: int, k: int, rows: int, stages: int, limit: int = RUNS_SHARED_LIMIT) -> int:

@@ -230,9 +230,13 @@ def test_runs_plans_and_geometry(monkeypatch):
             assert dict(plan.template) == {"T": "bfloat16", "NW": warps, "STG": stages}
             assert plan.grid[0] // plan.threadgroup[0] == -(-n // (8 if kind == "gate_up" else 16))
     assert qm._runs_def("dense", 16, True).name == "g4_q4_0_matvec_runs16s"
-    monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "bulk=1")
+    monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "bulk=0")  # the 16-byte cp.async staged form
     cfg = qm.default_runs_config("gate_up", 21504, 5376)
-    assert (cfg.stages, cfg.bulk) == (qm.RUNS_STAGES, 1)
+    assert (cfg.stages, cfg.bulk) == (qm.RUNS_STAGES, 0)
+    for override in ("stages=0", "rows=8", "dynamic=1"):  # forms without bulk copies drop the default
+        monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, override)
+        assert qm.default_runs_config("dense", 5376, 21504).bulk == 0, override
+    monkeypatch.delenv(qm.RUNS_GEOMETRY_ENV)
     assert dict(qm.plan_runs("gate_up", 21504, 5376).template) == {"T": "bfloat16", "NW": 1, "STG": qm.RUNS_STAGES}
     assert qm._runs_def("gate_up", 16, True, True).name == "g4_q4_0_gate_up_runs16b"
     monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "dynamic=1,stages=2")  # slots past 48 KB: 8 warps x 2 slots
@@ -275,6 +279,7 @@ def test_runs_families(monkeypatch):
         monkeypatch.setattr(qm, "backend", lambda which=which: which)
         monkeypatch.setattr(custom_kernels, "backend", lambda which=which: which)
         assert qm._use_runs(mx.bfloat16, 2560, "gate_up_runs") == (which == "cuda")
+        assert qm._use_runs(mx.bfloat16, 2560, "quant_matvec_runs") == (which == "cuda")
     assert not qm._use_runs(mx.bfloat16, 2592, "gate_up_runs") and not qm._use_runs(mx.float32, 2560, "gate_up_runs")
     assert qm._use_runs(mx.bfloat16, 2560, "quant_matvec_runs")
     monkeypatch.delenv(qm.RUNS_GEOMETRY_ENV, raising=False)
@@ -285,9 +290,37 @@ def test_runs_families(monkeypatch):
         assert qm.dense_runs_wide(n, k) == wide, (n, k)
     cfg = qm.default_runs_config("dense", 5376, 21504)
     assert (cfg.warps, cfg.stages, cfg.bulk) == (8, qm.RUNS_DENSE_STAGES, qm.RUNS_BULK) == (8, 1, 1)
+    # a geometry override changes the kernel's form, never which rows take it
+    for override in ("warps=1", "stages=2", "rows=8", "bulk=0"):
+        monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, override)
+        assert qm.dense_runs_wide(5376, 21504) and not qm.dense_runs_wide(2560, 10240), override
+    monkeypatch.delenv(qm.RUNS_GEOMETRY_ENV)
     monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "gate_up_runs,quant_matvec_runs")
     assert not qm._use_runs(mx.bfloat16, 2560, "gate_up_runs")
     assert not qm._use_runs(mx.bfloat16, 2560, "quant_matvec_runs")
+
+
+def test_one_token_dense_routing_on_cuda(monkeypatch):
+    """On CUDA (faked, launches stubbed), a one-token bf16 Q4_0 projection goes to the runs kernel
+    where dense_runs_wide holds (the 31B o_proj / down) and keeps its earlier kernel elsewhere (E4B's
+    down, f32 x, two rows); GEMMA4_MLX_KERNELS_OFF=quant_matvec_runs turns the runs route off."""
+    for env in (qm.RUNS_GEOMETRY_ENV, custom_kernels.UNPROVEN_ENV, custom_kernels.KERNELS_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(qm, "backend", lambda: "cuda")
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    routed = []
+    for name in ("launch_dense_runs", "launch_dense_stream", "launch_dense_mma", "launch_dense"):
+        monkeypatch.setattr(qm, name, lambda *a, _name=name, **kw: routed.append(_name) or "stub")
+    cases = (((1, 21504), mx.bfloat16, 5376, True), ((1, 1, 8192), mx.bfloat16, 5376, True),
+             ((1, 10240), mx.bfloat16, 2560, False), ((1, 21504), mx.float32, 5376, False),
+             ((2, 21504), mx.bfloat16, 5376, False))  # fmt: skip
+    for off in ("", "quant_matvec_runs"):
+        monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, off)
+        for shape, dtype, n, runs in cases:
+            routed.clear()
+            blocks = mx.zeros((n, shape[-1] // 32 * 18), mx.uint8)
+            assert qm.quant_matvec(mx.zeros(shape, dtype), blocks, qm.Q4_0, n) == "stub"
+            assert (routed == ["launch_dense_runs"]) == (runs and not off), (shape, dtype, n, off, routed)
 
 
 def test_backend_and_reference_switch(monkeypatch):
