@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pathlib
 import platform
 import subprocess
@@ -17,6 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def hardware_info() -> dict:
     info: dict = {"backend": custom_kernels.backend(), "machine": platform.machine(), "system": platform.system()}
+    if hasattr(os, "getloadavg"):  # a run started while other work was still ending reads low (session 15)
+        info["load_average"] = [round(v, 2) for v in os.getloadavg()]
     try:
         info["mlx_device_info"] = {k: (v if isinstance(v, (int, float, str)) else str(v))
                                    for k, v in mx.device_info().items()}  # fmt: skip
