@@ -1577,6 +1577,26 @@ __device__ __forceinline__ uint32_t g4_q4_pair(uint32_t v, uint32_t sel) {
 # Template: T (bfloat16), NW (warps per threadgroup, splitting the runs), PF (1: each lane loads its
 # next run while it computes on this one). @GU@: 0 dense (8 rows per threadgroup), 1 gate|up (gate
 # rows r..r+3 and up rows F+r..F+r+3 -> gelu_tanh(g) * u).
+def _runs_epilogue(rows: int) -> str:
+    """The end of a runs kernel body, once every warp has put its partial sums of the threadgroup's
+    `rows` weight rows in rows_s: the warps' partials added in warp order, then GeGLU (gate|up: the
+    first half of the rows are gate, the second up) or the plain store."""
+    half = rows // 2
+    return f"""  __syncthreads();
+  if (warp == 0 && lane < (GU ? {half} : {rows})) {{
+    float s = rows_s[0][lane];
+    for (int w = 1; w < NW; ++w) s += rows_s[w][lane];
+    if (GU) {{
+      float u = rows_s[0][lane + {half}];
+      for (int w = 1; w < NW; ++w) u += rows_s[w][lane + {half}];
+      if (out0 + lane < N) out[out0 + lane] = static_cast<T>(g4_gelu_tanh(s) * u);
+    }} else if (out0 + lane < N) {{
+      out[out0 + lane] = static_cast<T>(s);
+    }}
+  }}
+"""
+
+
 _RUNS_BODY_CUDA = r"""
   // gemma4-mlx q4_0 runs kernel (CUDA tensor cores, one token, 144-byte runs per lane)
   constexpr int GU = @GU@;
@@ -1663,19 +1683,7 @@ _RUNS_BODY_CUDA = r"""
     rows_s[warp][2 * lane] = acc0;
     rows_s[warp][2 * lane + 1] = acc1;
   }
-  __syncthreads();
-  if (warp == 0 && lane < (GU ? 4 : 8)) {
-    float s = rows_s[0][lane];
-    for (int w = 1; w < NW; ++w) s += rows_s[w][lane];
-    if (GU) {
-      float u = rows_s[0][lane + 4];
-      for (int w = 1; w < NW; ++w) u += rows_s[w][lane + 4];
-      if (out0 + lane < N) out[out0 + lane] = static_cast<T>(g4_gelu_tanh(s) * u);
-    } else if (out0 + lane < N) {
-      out[out0 + lane] = static_cast<T>(s);
-    }
-  }
-"""
+""" + _runs_epilogue(8)
 
 
 # The 16-row form (RunsConfig.rows = 16, kernels g4_q4_0_matvec_runs16 / g4_q4_0_gate_up_runs16):
@@ -1840,19 +1848,7 @@ _RUNS16_BODY_CUDA = r"""
     rows_s[warp][g] = s0;
     rows_s[warp][8 + g] = s1;
   }
-  __syncthreads();
-  if (warp == 0 && lane < (GU ? 8 : 16)) {
-    float s = rows_s[0][lane];
-    for (int w = 1; w < NW; ++w) s += rows_s[w][lane];
-    if (GU) {
-      float u = rows_s[0][lane + 8];
-      for (int w = 1; w < NW; ++w) u += rows_s[w][lane + 8];
-      if (out0 + lane < N) out[out0 + lane] = static_cast<T>(g4_gelu_tanh(s) * u);
-    } else if (out0 + lane < N) {
-      out[out0 + lane] = static_cast<T>(s);
-    }
-  }
-"""
+""" + _runs_epilogue(16)
 
 
 _RUNS16_LOOP = r"""  if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
