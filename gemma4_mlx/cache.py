@@ -223,6 +223,12 @@ class StepPosition:
 
         return self._once(("ring", capacity), compute)
 
+    def filled(self, capacity: int) -> mx.array:
+        """int32 [1]: slots of a `capacity`-slot ring holding a position, min(offset, capacity)
+        (once per step, computed on the GPU: attention's valid-slot bound; a constant made on the
+        host would sit in MLX's managed small-allocation pool, see bench/NOTES.md session 15)."""
+        return self._once(("filled", capacity), lambda: mx.minimum(self.offset, capacity).reshape(1))
+
 
 class StaticKVCache:
     """Full-attention cache of fixed capacity for a compiled decode step: its length is a shared
@@ -260,6 +266,11 @@ class StaticKVCache:
         return self.keys, self.values, self.step.valid(self.capacity)
 
     @property
+    def valid_slots(self) -> mx.array:
+        """int32 scalar: slots holding a position (after an update: the ones attention may read)."""
+        return self.step.offset
+
+    @property
     def state(self):
         return [self.keys, self.values]
 
@@ -289,6 +300,11 @@ class StaticRotatingKVCache:
         self.keys, self.values = write_slots(self.keys, keys, slot), write_slots(self.values, values, slot)
         self.step = self.step.advanced(1)
         return self.keys, self.values, self.positions
+
+    @property
+    def valid_slots(self) -> mx.array:
+        """int32 [1]: slots holding a position (after an update: the ones attention may read)."""
+        return self.step.filled(self.keys.shape[2])
 
     @property
     def state(self):

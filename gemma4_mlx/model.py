@@ -20,7 +20,7 @@ from custom_kernels.rope import inverse_frequencies, norm_rope
 from custom_kernels.router import route, router_logits
 
 from . import cpu_matvec
-from .cache import StaticKVCache
+from .cache import StaticKVCache, StaticRotatingKVCache
 from .config import LayerSpec, ModelConfig
 
 
@@ -181,7 +181,7 @@ class Attention(nn.Module):
         else:
             if cache is not None:
                 keys, values, positions = cache.update(k, v)
-                n_slots = cache.offset if isinstance(cache, StaticKVCache) else None
+                n_slots = cache.valid_slots if isinstance(cache, (StaticKVCache, StaticRotatingKVCache)) else None
             else:
                 keys, values, positions = k, v, q_pos
             shared_kv[s.type] = (keys, values, positions, n_slots)

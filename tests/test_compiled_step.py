@@ -114,6 +114,11 @@ def test_static_ring_positions_match_the_ring_including_after_rollback():
             visible = lambda p: (p >= 0) & (p <= q) & (q - p < window)  # noqa: E731
             assert np.array_equal(visible(want), visible(got)), (prefill, rollback_to, q)
             assert np.array_equal(want[visible(want)], got[visible(got)])
+            # attention's valid-slot bound: every slot at or past it holds no position, so bounding
+            # the kernels by it masks nothing the positions did not mask already
+            bound = static.valid_slots
+            assert bound.shape == (1,) and bound.item() == min(q + 1, window + slack)
+            assert (got[bound.item():] == -1).all()
 
 
 def test_static_caches_share_one_step_position():
