@@ -638,17 +638,14 @@ def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: i
 # Launch and dispatch
 # --------------------------------------------------------------------------------------------
 
-_SLOT_CONSTANTS: dict[int, mx.array] = {}
-
-
 def _slots_array(n_slots, slots: int) -> mx.array:
-    """int32 [1] valid-slot bound in [0, slots]: a cached constant for Python ints, else clipped."""
+    """int32 [1] valid-slot bound in [0, slots], always the output of a GPU op (Full or Clip): on the
+    H200 the sliding partials ran at half speed in some processes while their bound was a constant
+    the host had written once, and at full speed in every run with a bound made on the GPU each
+    step (bench/NOTES.md, sessions 15 and 16)."""
     if n_slots is None or isinstance(n_slots, (int, np.integer)):
         n = slots if n_slots is None else min(max(int(n_slots), 0), slots)
-        arr = _SLOT_CONSTANTS.get(n)
-        if arr is None:
-            arr = _SLOT_CONSTANTS[n] = mx.array([n], dtype=mx.int32)
-        return arr
+        return mx.full((1,), n, dtype=mx.int32)
     return mx.clip(n_slots.astype(mx.int32).reshape(1), 0, slots)
 
 

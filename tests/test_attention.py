@@ -6,6 +6,8 @@ tests/test_metal_kernels_emulated.py (Metal text on the CPU emulator), tests/tes
 
 from __future__ import annotations
 
+import io
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -272,12 +274,15 @@ def test_plugged_into_model_reproduces_logits(monkeypatch):
 
 def test_valid_slot_bound_forms():
     """n_slots as None, a Python/numpy int, a 0-d array (a static cache's length) or [1]: int32 [1]
-    clipped to [0, S]; Python ints give one cached constant."""
+    clipped to [0, S]; Python ints through a Full node (made on the device, not a host constant)."""
     for given, want in ((None, 40), (7, 7), (np.int64(99), 40), (-3, 0), (mx.array(12, dtype=mx.int32), 12),
                         (mx.array([50]), 40), (mx.array([-1]), 0)):  # fmt: skip
         got = at._slots_array(given, 40)
         assert got.dtype == mx.int32 and got.shape == (1,) and got.item() == want
-    assert at._slots_array(7, 40) is at._slots_array(7, 40)
+    for given in (None, 7):  # a node, evaluated where the kernels run: no array the host wrote
+        dot = io.StringIO()
+        mx.export_to_dot(dot, at._slots_array(given, 40))
+        assert "Full" in dot.getvalue()
 
 
 def test_partition_layout_covers_valid_slots():
