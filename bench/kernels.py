@@ -340,11 +340,12 @@ def _dtype_bytes(dtype) -> int:
 
 
 def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=None, with_qmm=True, mma=True,
-               stream=True, fma=True, read=False, runs=True):  # fmt: skip
+               stream=True, fma=True, read=False, runs=True, dispatch=False):  # fmt: skip
     """Kernel (and quantized_matmul; and the CUDA tensor-core kernel for Q4_0 bf16 unless mma is
-    False, with its default geometry or the MmaConfig given as mma; and at M = 1 the CUDA runs
-    kernel in its default form unless runs is False) at each M in ms on rotating [N, K] weight
-    sets; with read, first the CUDA read probe over the same sets."""
+    False, with its default geometry or the MmaConfig given as mma; and the CUDA runs kernels
+    unless runs is False: at M = 1 each one-token form, at every M the runs16m geometries of
+    RUNS_M_VARIANTS) at each M in ms on rotating [N, K] weight sets; with read, first the CUDA read
+    probe over the same sets; with dispatch, also qm.quant_matvec itself (what the model calls)."""
     rb = qm.row_bytes(ggml_type, k)
     sets = n_sets(n * rb, quick)
     weights = [random_blocks(ggml_type, (n,), k) for _ in range(sets)]
@@ -380,6 +381,15 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
                 rows.append(dict(model=model, name=name, impl=_runs_impl("q4_0_matvec", rcfg), N=n, K=k, M=m,
                                  sets=sets, **timed(calls, quick, nbytes),
                                  config=[rcfg.rows, rcfg.warps, rcfg.stages, rcfg.bulk, rcfg.dynamic]))  # fmt: skip
+        if runs and on_gpu and ggml_type == qm.Q4_0 and custom_kernels.backend() == "cuda" and qm.runs_supported(dtype, k):
+            for mcfg in RUNS_M_VARIANTS:
+                calls = [lambda w=w, c=mcfg: qm.launch_dense_runs_m(x, w, n, config=c) for w in weights]
+                rows.append(dict(model=model, name=name, impl=_runs_m_impl("q4_0_matvec", mcfg), N=n, K=k, M=m,
+                                 sets=sets, **timed(calls, quick, nbytes), config=[mcfg.warps, mcfg.stages]))  # fmt: skip
+        if dispatch:
+            calls = [lambda w=w: qm.quant_matvec(x, w, ggml_type, n) for w in weights]
+            rows.append(dict(model=model, name=name, impl=f"{qm._fmt(ggml_type).name}_matvec (dispatch)", N=n, K=k,
+                             M=m, sets=sets, **timed(calls, quick, nbytes)))  # fmt: skip
         if mma and on_gpu and ggml_type == qm.Q4_0 and dtype == mx.bfloat16 and custom_kernels.backend() == "cuda":
             mcfg = mma if isinstance(mma, qm.MmaConfig) else qm.default_mma_config(n)
             calls = [lambda w=w: qm.launch_dense_mma(x, w, n, config=mcfg) for w in weights]
@@ -417,6 +427,14 @@ def runs_variants(kind: str, n: int, k: int) -> list:
     return out + ([dyn] if dyn.warps * 2 * qm.RUNS_STAGE_BYTES > qm.RUNS_SHARED_LIMIT else [])
 
 
+RUNS_M_VARIANTS = tuple(qm.RunsMConfig(w, s) for w, s in ((1, 2), (2, 2), (4, 2), (8, 2), (2, 3), (4, 3)))
+"""Geometries (warps, stages) of the runs16m kernels timed at every M."""
+
+
+def _runs_m_impl(prefix: str, cfg) -> str:
+    return f"{prefix}_runs16m_w{cfg.warps}s{cfg.stages}"
+
+
 def _runs_impl(prefix: str, cfg) -> str:
     form = "b" if cfg.bulk else "d" if cfg.dynamic else "s"
     return f"{prefix}_runs{cfg.rows}" + (f"{form}{cfg.stages}" if cfg.stages else "")
@@ -443,6 +461,9 @@ def gate_up_case(model, f, k, ms, dtype, quick, on_gpu):
         if m == 1 and on_gpu and custom_kernels.backend() == "cuda" and qm.runs_supported(dtype, k):
             for rcfg in runs_variants("gate_up", f, k):
                 variants[_runs_impl("gate_up", rcfg)] = lambda w, c=rcfg: qm.launch_gate_up_runs(x, w, f, config=c)
+        if on_gpu and custom_kernels.backend() == "cuda" and qm.runs_supported(dtype, k):
+            for mcfg in RUNS_M_VARIANTS:
+                variants[_runs_m_impl("gate_up", mcfg)] = lambda w, c=mcfg: qm.launch_gate_up_runs_m(x, w, f, config=c)
         for impl, fn in variants.items():
             calls = [lambda w=w, fn=fn: fn(w) for w in weights]
             rows.append(dict(model=model, name="ffn_gate+up", impl=impl, N=2 * f, K=k, M=m, sets=sets,
@@ -565,6 +586,16 @@ def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
     split), then stream geometries on the FFN gate at M = 1 and on the expert path."""
     overhead_rows.extend(overhead_probe(args.quick))
     model = "tiny" if args.quick else "31B"
+    if args.runs_m:
+        shapes = [("tiny", *QUICK["tiny"]["proj"][0])] if args.quick else [
+            ("31B", "ffn_gate/up", 21504, 5376), ("31B", "ffn_down", 5376, 21504), ("31B", "attn_q(s)", 8192, 5376),
+            ("E4B", "ffn_gate/up", 10240, 2560), ("E4B", "ffn_down", 2560, 10240)]  # fmt: skip
+        for shape_model, name, n, k in shapes:
+            add(dense_case(shape_model, name, qm.Q4_0, n, k, (1, 2, 4, 8), dtype, args.quick, on_gpu, with_qmm=False,
+                           mma=False, fma=False, dispatch=True), rows)  # fmt: skip
+        name, n, k = QUICK["tiny"]["proj"][0] if args.quick else ("ffn_gate/up", 21504, 5376)
+        add(gate_up_case(model, n, k, (1, 2, 4, 8), dtype, args.quick, on_gpu), rows)
+        return
     if args.probe_only:
         name, n, k = QUICK["tiny"]["proj"][0] if args.quick else ("ffn_gate/up", 21504, 5376)
         add(dense_case(model, name, qm.Q4_0, n, k, (1,), dtype, args.quick, on_gpu, with_qmm=False, mma=False,
@@ -635,6 +666,9 @@ def main() -> None:
     ap.add_argument("--probe-only", action="store_true", help="with --focus: only the read probes on the 31B FFN "
                     "gate's bytes, the M = 1 kernels there (FMA, stream, the rows kernel's geometries; the rows "
                     "kernel on the Q8_0 head too) and the fused vs separate gate|up")  # fmt: skip
+    ap.add_argument("--runs-m", action="store_true", help="with --focus: only the 31B FFN gate, down and attn_q(s), "
+                    "E4B's FFN gate and down, and the 31B fused gate|up at M = 1, 2, 4, 8: the dispatch, the stream and runs kernels and the "
+                    "runs16m geometries")  # fmt: skip
     ap.add_argument("--focus", action="store_true", help="only the issue-4 targets (31B FFN, 26B-A4B experts), "
                     "the per-op overhead probe and a sweep of the CUDA stream kernels' geometry")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/kernels-<backend>-<date>.json)")

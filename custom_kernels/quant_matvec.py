@@ -1968,7 +1968,7 @@ _RUNS16D_LOOP = _RUNS16S_LOOP_TEXT.replace("@FN@", "g4_runs16_staged_loop").repl
 # through the load/store unit. SASS: 71 registers (staged 79); per step about as many
 # instructions as the staged loop (~580 plus a 16-pass loop of ~10 that issues the copies, against
 # ~730), so what it can save is load/store-unit work and occupancy, not issue slots.
-_RUNS16B_HEADER_CUDA = r"""
+_MBAR_BULK_CUDA = r"""
 // mbarrier and bulk-copy helpers (sm_90): a slot's barrier expects the step's bytes, the bulk
 // copies complete them, the lanes wait for the phase (parity) of that use of the slot
 __device__ __forceinline__ void g4_mbar_init(uint32_t bar, uint32_t count) {
@@ -1989,7 +1989,8 @@ __device__ __forceinline__ void g4_bulk_copy(uint32_t dst, const uint8_t* src, u
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
-// the slot barriers of a thread block, [warp][slot] (NW <= 8, STG <= 4): one array for every
+"""
+_RUNS16B_HEADER_CUDA = _MBAR_BULK_CUDA + r"""// the slot barriers of a thread block, [warp][slot] (NW <= 8, STG <= 4): one array for every
 // instantiation of the loop below
 __device__ __forceinline__ uint64_t* g4_runs16_bars() {
   __shared__ __align__(8) uint64_t bars_s[8 * 4];
@@ -2039,6 +2040,235 @@ __device__ __forceinline__ void g4_runs16_bulk_loop(float (&acc)[4], uint8_t* st
   }
 }
 """
+
+# The many-token form (kernels g4_q4_0_matvec_runs16m / g4_q4_0_gate_up_runs16m; RunsMConfig): M = 1..8
+# tokens of x are mma's 8 columns, so the weights are read once for all of them. The one-token
+# kernels above put 4 runs of one row side by side in A's k (their per-run scales are applied per
+# column); here A's 16 k are one block half of one row, so each block's scale applies after its two
+# mma. That layout needs any lane to reach any row: the weights go through shared memory, each warp
+# owns its own 16 rows (8 gate + 8 up for gate|up) and walks all of K, and a step (4 runs, 512
+# weights) of the threadgroup's NW x 16 rows and of the M tokens' x arrives by bulk copies into one
+# of STG slots (the x of a step is shared by the NW warps: at M = 8 it is 1 KB per token per step,
+# against 4.6 KB of weights per warp). Slot rows are 304 bytes apart and tokens 1056, so that the
+# lanes' 4- and 8-byte reads of a block fall in distinct banks. Rows or x not 16-byte aligned are
+# copied by 2-byte loads instead (the same slots, a threadgroup barrier in place of the mbarrier).
+_RUNS16M_HEADER_CUDA = r"""
+// 4 bytes at p, 4-byte aligned (a4) or 2-byte aligned (two 2-byte loads); a4 is a constant once
+// the caller's loop is unrolled
+__device__ __forceinline__ uint32_t g4_u32_at(const uint8_t* p, bool a4) {
+  return a4 ? *reinterpret_cast<const uint32_t*>(p) : g4_u16(p) | (g4_u16(p + 2) << 16);
+}
+// One step of lane (g, t) of a runs16m warp: blocks 0..nb-1 of the step of rows g (w0, 18 bytes a
+// block) and g + 8 (w0 + 8 RS) against token g's x of the step (xg; zeros when tok is false, a
+// token past M). A's k pair (2t, 2t + 1) is weights 4t, 4t + 1 of the block half and (2t + 8, 2t + 9)
+// weights 4t + 2, 4t + 3 (qs bytes 4t .. 4t + 3: low nibbles, then high for the second half);
+// B takes x in the same order, so the sum over k is the block's dot. acc: (row g, token 2t),
+// (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
+template <int RS>
+__device__ __forceinline__ void g4_runs16m_step(float (&acc)[4], const uint8_t* w0, const uint8_t* xg, bool tok,
+                                                int nb, int t) {
+  _Pragma("unroll") for (int b = 0; b < 16; ++b) {
+    if (b < nb) {  // warp-uniform: the last step of a row can hold 2 runs (8 blocks)
+      const uint8_t* p0 = w0 + 18 * b;
+      const uint8_t* p1 = p0 + 8 * RS;
+      // qs bytes 4t .. 4t + 3 sit at 18 b + 2 + 4t: 4-byte aligned for odd b (RS and slots are multiples of 16)
+      const uint32_t q0 = g4_u32_at(p0 + 2 + 4 * t, b & 1), q1 = g4_u32_at(p1 + 2 + 4 * t, b & 1);
+      uint2 xl = make_uint2(0u, 0u), xh = make_uint2(0u, 0u);
+      if (tok) {
+        xl = *reinterpret_cast<const uint2*>(xg + 64 * b + 8 * t);
+        xh = *reinterpret_cast<const uint2*>(xg + 64 * b + 32 + 8 * t);
+      }
+      const uint32_t l0 = q0 & 0x0F0F0F0Fu, l1 = q1 & 0x0F0F0F0Fu;
+      const uint32_t h0 = (q0 >> 4) & 0x0F0F0F0Fu, h1 = (q1 >> 4) & 0x0F0F0F0Fu;
+      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      g4_mma_bf16(part, g4_q4_pair(l0, 0x4140u), g4_q4_pair(l1, 0x4140u), g4_q4_pair(l0, 0x4342u),
+                  g4_q4_pair(l1, 0x4342u), xl.x, xl.y);
+      g4_mma_bf16(part, g4_q4_pair(h0, 0x4140u), g4_q4_pair(h1, 0x4140u), g4_q4_pair(h0, 0x4342u),
+                  g4_q4_pair(h1, 0x4342u), xh.x, xh.y);
+      const float d0 = g4_half_bits(g4_u16(p0)), d1 = g4_half_bits(g4_u16(p1));
+      acc[0] += d0 * part[0]; acc[1] += d0 * part[1]; acc[2] += d1 * part[2]; acc[3] += d1 * part[3];
+    }
+  }
+}
+"""
+
+# Template: T (bfloat16), NW (warps per threadgroup, each with its own row set), STG (slots).
+# @GU@: 0 dense (16 rows per warp), 1 gate|up (gate rows r..r+7 and up rows F+r..F+r+7 -> gelu_tanh(g) * u).
+_RUNS16M_BODY_CUDA = r"""
+  // gemma4-mlx q4_0 runs16m kernel (CUDA tensor cores, 1..8 tokens as mma's columns)
+  constexpr int GU = @GU@;
+  constexpr int RS = 304;            // bytes from one row to the next in a slot (288 used)
+  constexpr int XS = 1056;           // bytes from one token's x to the next in a slot (1024 used)
+  constexpr int SB = NW * 16 * RS + 8 * XS;  // a slot: the warps' rows, then x
+  const int K = x_shape[x_ndim - 1];  // x [..., K]: M = the other dimensions' product, 1..8
+  int M = 1;
+  for (int i = 0; i + 1 < x_ndim; ++i) M *= x_shape[i];
+  const int NR = wq_shape[0];
+  const int N = GU ? NR / 2 : NR;
+  const int C = K >> 7;               // runs of 4 blocks per row (even: K % 256 == 0)
+  const int nsteps = (C + 3) >> 2;    // steps of 4 runs
+  const int lane = (int)(threadIdx.x & 31u);
+  const int warp = (int)(threadIdx.x >> 5);
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int out0 = ((int)blockIdx.x * NW + warp) * (GU ? 8 : 16);  // this warp's first output row
+  // lanes 0..15 copy A row `lane` of this warp (a missing row: row 0, finite, never stored)
+  const int o = out0 + (lane & 7);
+  const int arow = (lane & 15) < 8 ? (o < N ? o : 0) : GU ? (o < N ? N + o : 0) : (o + 8 < NR ? o + 8 : 0);
+  const uint8_t* my_row = wq + (size_t)arow * wq_shape[1];
+  const uint8_t* xb = reinterpret_cast<const uint8_t*>(x);
+  const bool bulk = ((reinterpret_cast<uintptr_t>(wq) | reinterpret_cast<uintptr_t>(x)) & 15u) == 0;
+  extern __shared__ __align__(16) uint8_t stage_s[];  // STG slots of SB bytes, given at launch
+  __shared__ __align__(8) uint64_t bars_s[4];
+  const uint32_t bar0 = g4_shared_addr(bars_s);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STG; ++s) g4_mbar_init(bar0 + 8 * s, NW);  // a use of a slot: each warp arrives once
+    g4_mbar_init_fence();
+  }
+  __syncthreads();
+  auto issue = [&](int st, int slot) {  // step st into a slot: lanes 0..15 a row each, warp 0's lanes 16.. a token's x
+    if (st >= nsteps) return;
+    const int runs = min(4, C - 4 * st);
+    const uint32_t bar = bar0 + 8 * slot, dst = g4_shared_addr(stage_s) + (uint32_t)(slot * SB);
+    if (lane == 0) g4_mbar_expect_tx(bar, (uint32_t)((16 * 72 + (warp == 0 ? M * 256 : 0)) * runs));  // this warp's bytes
+    __syncwarp();
+    if (lane < 16) {
+      g4_bulk_copy(dst + (uint32_t)(RS * (16 * warp + lane)), my_row + (size_t)288 * st, (uint32_t)(72 * runs), bar);
+    } else if (warp == 0 && lane - 16 < M) {
+      g4_bulk_copy(dst + (uint32_t)(NW * 16 * RS + XS * (lane - 16)), xb + ((size_t)(lane - 16) * K + 512 * st) * 2,
+                   (uint32_t)(256 * runs), bar);
+    }
+  };
+  auto copy = [&](int st, int slot) {  // the same bytes by 2-byte loads (rows or x off 16-byte alignment)
+    const int runs = min(4, C - 4 * st);
+    uint8_t* dst = stage_s + slot * SB;
+    if (lane < 16) {
+      const uint8_t* src = my_row + (size_t)288 * st;
+      unsigned short* d = reinterpret_cast<unsigned short*>(dst + RS * (16 * warp + lane));
+      for (int i = 0; i < 36 * runs; ++i) d[i] = (unsigned short)g4_u16(src + 2 * i);
+    } else if (warp == 0 && lane - 16 < M) {
+      const uint8_t* src = xb + ((size_t)(lane - 16) * K + 512 * st) * 2;
+      unsigned short* d = reinterpret_cast<unsigned short*>(dst + NW * 16 * RS + XS * (lane - 16));
+      for (int i = 0; i < 128 * runs; ++i) d[i] = (unsigned short)g4_u16(src + 2 * i);
+    }
+  };
+  if (bulk) {
+    for (int s = 0; s < STG; ++s) issue(s, s);
+  }
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int u = 0; u < nsteps; ++u) {
+    const int slot = u % STG;
+    if (bulk) {
+      g4_mbar_wait(bar0 + 8 * slot, (uint32_t)(u / STG) & 1u);
+    } else {
+      copy(u, slot);
+      __syncthreads();
+    }
+    const uint8_t* w0 = stage_s + slot * SB + RS * (16 * warp + g);
+    const uint8_t* xg = stage_s + slot * SB + NW * 16 * RS + XS * g;
+    g4_runs16m_step<RS>(acc, w0, xg, g < M, 4 * min(4, C - 4 * u), t);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's reads of the slot, before its refill
+    __syncthreads();  // every warp has read the slot
+    if (bulk) issue(u + STG, slot);
+  }
+  _Pragma("unroll") for (int j = 0; j < 2; ++j) {  // tokens 2t, 2t + 1
+    const int tok = 2 * t + j;
+    if (tok < M) {
+      if (GU) {
+        if (out0 + g < N) out[(size_t)tok * N + out0 + g] = static_cast<T>(g4_gelu_tanh(acc[j]) * acc[2 + j]);
+      } else {
+        if (out0 + g < N) out[(size_t)tok * N + out0 + g] = static_cast<T>(acc[j]);
+        if (out0 + 8 + g < N) out[(size_t)tok * N + out0 + 8 + g] = static_cast<T>(acc[2 + j]);
+      }
+    }
+  }
+"""
+
+RUNS_M_ROW_STRIDE = 304
+"""Bytes between two rows' 288-byte steps in a runs16m slot (kernel constant RS)."""
+RUNS_M_X_STRIDE = 1056
+"""Bytes between two tokens' 1024-byte steps of x in a runs16m slot (kernel constant XS)."""
+RUNS_M_GEOMETRY_ENV = "GEMMA4_MLX_RUNS_M_GEOMETRY"
+"""RunsMConfig fields over default_runs_m_config's, e.g. "warps=2,stages=3" (tuning)."""
+
+
+@dataclass(frozen=True)
+class RunsMConfig:
+    """Geometry of the CUDA runs16m kernels (1..8 tokens): warps per threadgroup, each with its
+    own 16-row set (they share each step's x), and stages, the slots of a step (the copy of step u +
+    STG - 1 overlaps the work on step u). The slots take dynamic shared memory (runs_m_shared_bytes)."""
+
+    warps: int = 4
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.warps not in (1, 2, 4, 8):
+            raise ValueError("warps must be 1, 2, 4 or 8")
+        if self.stages not in (1, 2, 3, 4):
+            raise ValueError("stages must be 1..4")
+        if runs_m_shared_bytes(self) > RUNS_DYNAMIC_LIMIT:
+            raise ValueError(f"{self.warps} warps x {self.stages} stages need {runs_m_shared_bytes(self)} bytes of "
+                             f"shared memory, over {RUNS_DYNAMIC_LIMIT}")  # fmt: skip
+
+
+def runs_m_shared_bytes(cfg: RunsMConfig) -> int:
+    """Dynamic shared memory of a runs16m launch: STG slots of the warps' 16 rows and 8 tokens' x."""
+    return cfg.stages * (cfg.warps * 16 * RUNS_M_ROW_STRIDE + 8 * RUNS_M_X_STRIDE)
+
+
+def default_runs_m_config() -> RunsMConfig:
+    """RunsMConfig() with GEMMA4_MLX_RUNS_M_GEOMETRY's fields over it."""
+    return replace_geometry(RunsMConfig(), geometry_fields(RunsMConfig(), RUNS_M_GEOMETRY_ENV), RUNS_M_GEOMETRY_ENV)
+
+
+def _runs_m_def(kind: str) -> _KernelDef:
+    """The runs16m kernel for dense rows or a gate|up."""
+    key = (Q4_0, f"runs16m_{kind}")
+    if key not in _KERNEL_DEFS:
+        name = {"dense": "g4_q4_0_matvec_runs16m", "gate_up": "g4_q4_0_gate_up_runs16m"}[kind]
+        header = prelude("cuda") + _MMA_HEADER_CUDA + _RUNS_HEADER_CUDA + _STREAM_CP_ASYNC_CUDA + _MBAR_BULK_CUDA
+        header += _RUNS16M_HEADER_CUDA
+        body = _RUNS16M_BODY_CUDA.replace("@GU@", "1" if kind == "gate_up" else "0")
+        _KERNEL_DEFS[key] = _KernelDef(name, kind, Q4_0, ("x", "wq"), ("out",), ("T", "NW", "STG"),
+                                       {"metal": ("", ""), "cuda": (header, body)})  # fmt: skip
+    return _KERNEL_DEFS[key]
+
+
+def plan_runs_m(kind: str, m: int, n: int, k: int, config: RunsMConfig | None = None) -> LaunchPlan:
+    """Launch plan of a runs16m kernel for m tokens; ``n`` is N (dense) or F (gate_up)."""
+    if k % 256:
+        raise ValueError(f"runs kernels: K={k} is not a multiple of 256")
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"the runs16m kernels take 1..{MAX_ROWS} tokens, got {m}")
+    cfg = config or default_runs_m_config()
+    groups = math.ceil(_runs_sets(kind, n, 16) / cfg.warps)
+    threads = 32 * cfg.warps
+    return LaunchPlan([("T", "bfloat16"), ("NW", cfg.warps), ("STG", cfg.stages)], (groups * threads, 1, 1),
+                      (threads, 1, 1), (m, n))  # fmt: skip
+
+
+def launch_dense_runs_m(x: mx.array, blocks: mx.array, n: int, config: RunsMConfig | None = None,
+                        init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+    """CUDA runs16m kernel, Q4_0: bf16 x [..., K] holding 1..8 tokens @ blocks [N, ...].T -> [M, N]
+    (or out_shape; CUDA builds only)."""
+    return _launch_runs_m("dense", x, blocks, n, n, config, init_value, out_shape)
+
+
+def launch_gate_up_runs_m(x: mx.array, blocks: mx.array, f: int, config: RunsMConfig | None = None,
+                          init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+    """CUDA runs16m kernel for a dense fused gate|up, Q4_0: bf16 x [..., K] holding 1..8 tokens,
+    blocks [2F, ...] (gate rows, then up rows) -> gelu_tanh(gate) * up [M, F] (or out_shape), the
+    f32 product rounded once."""
+    return _launch_runs_m("gate_up", x, blocks, 2 * f, f, config, init_value, out_shape)
+
+
+def _launch_runs_m(kind, x, blocks, rows, n, config, init_value, out_shape):
+    _need_bf16(x)
+    _check_dense(x, blocks, Q4_0, rows)
+    cfg = config or default_runs_m_config()
+    plan = plan_runs_m(kind, math.prod(x.shape[:-1]), n, x.shape[-1], cfg)
+    return _run(_runs_m_def(kind), [x, blocks], plan, x.dtype, init_value, out_shape, runs_m_shared_bytes(cfg))
+
 
 RUNS_STAGE_BYTES = 16 * 288
 """Shared memory of one stage slot of a staged runs16 warp (4 runs, 288 bytes, of each of 16 rows)."""
@@ -2223,8 +2453,9 @@ def plan_runs(kind: str, n: int, k: int, config: RunsConfig | None = None) -> La
 
 
 def _use_runs(x_dtype: mx.Dtype, k: int, family: str) -> bool:
-    """A runs kernel for this one-token Q4_0 call? (families "gate_up_runs" for a dense MLP's
-    gate|up, and "quant_matvec_runs" for dense rows wide enough (dense_runs_wide); CUDA defaults)"""
+    """A runs kernel for this Q4_0 call? (families "gate_up_runs" for a dense MLP's one-token
+    gate|up, and "quant_matvec_runs" for one-token dense rows wide enough (dense_runs_wide), CUDA
+    defaults; "quant_matvec_runs_m" for 2..8 tokens, dense or gate|up, opt-in)"""
     return backend() == "cuda" and runs_supported(x_dtype, k) and use_kernel(family)
 
 
@@ -2278,6 +2509,8 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     out_shape = (*lead, n)
     if ggml_type == Q4_0 and m == 1 and _use_runs(x.dtype, x.shape[-1], "quant_matvec_runs") and dense_runs_wide(n, x.shape[-1]):
         return launch_dense_runs(x, blocks, n, out_shape=out_shape)
+    if ggml_type == Q4_0 and m > 1 and _use_runs(x.dtype, x.shape[-1], "quant_matvec_runs_m"):
+        return launch_dense_runs_m(x, blocks, n, out_shape=out_shape)
     if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1], m):
         return launch_dense_stream(x, blocks, n, out_shape=out_shape)
     if ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
@@ -2292,7 +2525,9 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
     expert (one launch, f32 product rounded once), split K on CUDA (H200 31B step: 97 -> 82 us
     against the stream kernel); for Q4_0 on CUDA with bf16 x and K a multiple of 256 the runs
     kernel instead (family gate_up_runs; its staged 16-row form: 31B 102 -> 62 us, E4B 37-45 ->
-    17.5 us per layer). 2..8 rows: the dense kernel over all 2F rows, then the product in f32 from
+    17.5 us per layer). 2..8 rows of bf16 x with Q4_0 blocks and family quant_matvec_runs_m on
+    (opt-in): the runs16m kernel (one launch, f32 product rounded once). Else 2..8 rows: the
+    dense kernel over all 2F rows, then the product in f32 from
     its x.dtype outputs (the expert kernel would re-read the weights per row: 504 us vs 88 us for
     three ops at the 31B shape, M = 8). Else the reference. ``one_expert``: the same
     blocks as [1, 2F, row_bytes], evaluated (a caller that keeps it spares the step an expand node)."""
@@ -2305,6 +2540,8 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
     m = math.prod(lead)
     if not use_kernel("quant_matvec") or not 1 <= m <= MAX_ROWS:
         return gate_up_reference(x, blocks, ggml_type, f)
+    if m > 1 and ggml_type == Q4_0 and _use_runs(x.dtype, k, "quant_matvec_runs_m"):
+        return launch_gate_up_runs_m(x, blocks, f, out_shape=(*lead, f))
     if m > 1:
         gu = quant_matvec(x, blocks, ggml_type, 2 * f).astype(mx.float32)
         return (gelu_tanh(gu[..., :f]) * gu[..., f:]).astype(x.dtype)
@@ -2710,6 +2947,41 @@ def _runs_cases(kind: str, rows: int = 8, staged: bool = False, bulk: int = 0, d
     return make
 
 
+def _runs_m_case(rng, kind, m, n, k, config, lead=None):
+    """A bf16 case of a runs16m kernel with m tokens (x with lead dims `lead` when given): dense N
+    rows, or gate|up with F = n."""
+    if kind == "dense":
+        case = _mma_case(rng, m, n, k, None)
+    else:  # the expert gate/up case with one expert and one slot, as a dense matrix
+        case = _gather_case(rng, Q4_0, "gate_up", "bfloat16", m, 1, 1, n, k, False, KernelConfig())
+        case = dataclasses.replace(case, inputs={"x": case.inputs["x"], "wq": case.inputs["wq"][0]},
+                                   output_shapes=[(m, n)], expected=[case.expected[0].reshape(m, n)])
+    if lead is not None:
+        case = dataclasses.replace(case, inputs={**case.inputs, "x": case.inputs["x"].reshape(*lead, k)})
+    plan = plan_runs_m(kind, m, n, k, config)
+    return dataclasses.replace(case, template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
+                               label=f"runs16m {kind} M={m} N={n} K={k} {config}",
+                               cuda_shared_memory=runs_m_shared_bytes(config))  # fmt: skip
+
+
+def _runs_m_cases(kind: str):
+    """Every token count class (1, odd, 8; lead dims), partial last row sets and threadgroups with
+    idle warps, K of one step of 2 runs (256), a last step of 2 runs (768, 5376), every stage count
+    and warp count."""
+
+    def make(rng: np.random.Generator):
+        c = RunsMConfig
+        if kind == "dense":
+            return [_runs_m_case(rng, kind, 8, 37, 5376, c(4, 2)), _runs_m_case(rng, kind, 1, 45, 2560, c(2, 1)),
+                    _runs_m_case(rng, kind, 3, 16, 256, c(1, 3)), _runs_m_case(rng, kind, 6, 130, 768, c(8, 4), (2, 3)),
+                    _runs_m_case(rng, kind, 5, 9, 2816, c(1, 2))]  # fmt: skip
+        return [_runs_m_case(rng, kind, 8, 11, 5376, c(4, 2)), _runs_m_case(rng, kind, 2, 13, 512, c(1, 1)),
+                _runs_m_case(rng, kind, 7, 21, 768, c(2, 3), (7, 1)), _runs_m_case(rng, kind, 1, 70, 2560, c(8, 4)),
+                _runs_m_case(rng, kind, 4, 5, 2816, c(2, 2))]  # fmt: skip
+
+    return make
+
+
 def kernel_specs():
     """KernelSpec of every kernel in this module, with small test cases (odd tails included)."""
     from .registry import KernelSpec
@@ -2726,6 +2998,10 @@ def kernel_specs():
             rdef = _runs_def(kind, rows, staged, bulk == 1, dynamic == 1)
             specs.append(KernelSpec(rdef.name, rdef.input_names, rdef.output_names, "", "", *rdef.text["cuda"],
                                     _runs_cases(kind, rows, staged, bulk, dynamic)))  # fmt: skip
+    for kind in ("dense", "gate_up"):  # CUDA only: no Metal text
+        mdef = _runs_m_def(kind)
+        specs.append(KernelSpec(mdef.name, mdef.input_names, mdef.output_names, "", "", *mdef.text["cuda"],
+                                _runs_m_cases(kind)))  # fmt: skip
     for ggml_type, kind in _ALL_KERNELS:
         kdef = _kernel_def(ggml_type, kind)
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]

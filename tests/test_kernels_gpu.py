@@ -401,6 +401,67 @@ def test_q4_0_runs_kernels(n, k):
         assert mx.array_equal(qm.launch_dense_runs(x, blocks, n, cfg), qm.launch_dense_runs(x, blocks, n, cfg)).item()
 
 
+@pytest.mark.parametrize("n,k", [(2048, 5376), (1003, 2560), (77, 21504), (40, 256), (300, 768)])
+def test_q4_0_runs_m_kernels(n, k):
+    """The runs16m kernels (dense and gate|up) at M = 1, 2, 5, 8 (x with lead dims too), every warp
+    and stage count, on aligned blocks and x and on blocks and x that start 2 bytes past a 16-byte
+    boundary (the 2-byte copy fallback); outputs poisoned first; bit for bit run to run."""
+    rng = np.random.default_rng(47)
+    raw = qm.random_blocks(rng, qm.Q4_0, (n,), k)
+    w64 = qm.dequantize_f64(raw, qm.Q4_0)
+    f = n // 2
+    blocks, blocks_gu = mx.array(raw), mx.array(raw[: 2 * f])
+    for m, lead in ((1, (1,)), (2, (2,)), (5, (5,)), (8, (2, 4))):
+        x, x64 = _acts(rng, (*lead, k), mx.bfloat16)
+        x64 = x64.reshape(m, k)
+        want, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+        gu_want, gu_bound = _gelu_times(want[:, : 2 * f], bound[:, : 2 * f], f)
+        x_off = _misaligned_bf16(x, 2)
+        for cfg in (qm.RunsMConfig(1, 1), qm.RunsMConfig(2, 2), qm.RunsMConfig(4, 2), qm.RunsMConfig(8, 4),
+                    qm.RunsMConfig(4, 3)):  # fmt: skip
+            for what, xx, bb, bb2 in (("aligned", x, blocks, blocks_gu),
+                                      ("misaligned", x_off, _misaligned(raw, 2), _misaligned(raw[: 2 * f], 2))):  # fmt: skip
+                out = qm.launch_dense_runs_m(xx, bb, n, cfg, init_value=NAN)
+                assert out.shape == (m, n) and out.dtype == mx.bfloat16
+                _check(out, want, bound, mx.bfloat16, f"runs16m dense {what} M={m} N={n} K={k} {cfg}")
+                gu = qm.launch_gate_up_runs_m(xx, bb2, f, cfg, init_value=NAN)
+                assert gu.shape == (m, f)
+                _check(gu, gu_want, gu_bound, mx.bfloat16, f"runs16m gate_up {what} M={m} F={f} K={k} {cfg}")
+            assert mx.array_equal(qm.launch_dense_runs_m(x, blocks, n, cfg), qm.launch_dense_runs_m(x, blocks, n, cfg)).item()
+
+
+def _misaligned_bf16(x: mx.array, offset: int) -> mx.array:
+    """The same bf16 values as x, as a row-contiguous view `offset` bytes into a buffer."""
+    flat = mx.concatenate([mx.zeros((offset // 2,), mx.bfloat16), x.reshape(-1)])
+    return flat[offset // 2 :].reshape(x.shape)
+
+
+def test_q4_0_runs_m_dispatch(monkeypatch):
+    """With family quant_matvec_runs_m opted in, 2..8 bf16 tokens with Q4_0 blocks (dense and gate|up)
+    go to the runs16m kernels and stay as accurate as the reference bound."""
+    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "quant_matvec_runs_m")
+    launched = []
+    for name in ("launch_dense_runs_m", "launch_gate_up_runs_m"):
+        real = getattr(qm, name)
+        monkeypatch.setattr(qm, name, lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw))
+    rng = np.random.default_rng(49)
+    raw = qm.random_blocks(rng, qm.Q4_0, (300,), 1024)
+    w64 = qm.dequantize_f64(raw, qm.Q4_0)
+    for shape in ((2, 1024), (1, 3, 1024), (8, 1024)):
+        launched.clear()
+        x, x64 = _acts(rng, shape, mx.bfloat16)
+        x64 = x64.reshape(-1, 1024)
+        out = qm.q4_0_matvec(x, mx.array(raw), 300)
+        assert out.shape == (*shape[:-1], 300)
+        _check(out.reshape(-1, 300), x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, mx.bfloat16, f"dispatch {shape}")
+        gu = qm.gate_up(x, mx.array(raw), qm.Q4_0, 150)
+        assert gu.shape == (*shape[:-1], 150)
+        g_want, g_bound = _gelu_times(x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, 150)
+        _check(gu.reshape(-1, 150), g_want, g_bound, mx.bfloat16, f"gate_up dispatch {shape}")
+        assert launched == ["launch_dense_runs_m", "launch_gate_up_runs_m"], shape
+
+
 def test_q4_0_runs_dispatch(monkeypatch):
     """With families quant_matvec_runs and gate_up_runs on (the CUDA defaults) and no grid-width bar for
     dense rows, one-token bf16 Q4_0 calls (dense, gate_up, x with lead dims) go to the runs kernels

@@ -3,6 +3,8 @@ backend selection, the dialect and the kernel registry (GPU kernels run in test_
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -321,6 +323,61 @@ def test_one_token_dense_routing_on_cuda(monkeypatch):
             blocks = mx.zeros((n, shape[-1] // 32 * 18), mx.uint8)
             assert qm.quant_matvec(mx.zeros(shape, dtype), blocks, qm.Q4_0, n) == "stub"
             assert (routed == ["launch_dense_runs"]) == (runs and not off), (shape, dtype, n, off, routed)
+
+
+def test_many_token_routing_on_cuda(monkeypatch):
+    """On CUDA (faked, launches stubbed), 2..8 bf16 tokens with Q4_0 blocks go to the runs16m kernels
+    (dense and gate|up) only with family quant_matvec_runs_m opted in; one token, f32 x, K not a
+    multiple of 256 and Q8_0 blocks keep their kernels."""
+    for env in (qm.RUNS_GEOMETRY_ENV, qm.RUNS_M_GEOMETRY_ENV, custom_kernels.KERNELS_OFF_ENV, custom_kernels.KERNELS_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(qm, "backend", lambda: "cuda")
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    routed = []
+    for name in ("launch_dense_runs_m", "launch_gate_up_runs_m", "launch_dense_runs", "launch_gate_up_runs",
+                 "launch_dense_stream", "launch_dense_mma", "launch_dense", "launch_gate_up"):  # fmt: skip
+        monkeypatch.setattr(qm, name, lambda *a, _name=name, **kw: routed.append(_name) or mx.zeros((1,)))
+    cases = (((8, 5376), mx.bfloat16, qm.Q4_0, True), ((2, 1, 512), mx.bfloat16, qm.Q4_0, True),
+             ((1, 5376), mx.bfloat16, qm.Q4_0, False), ((8, 5376), mx.float32, qm.Q4_0, False),
+             ((4, 1056), mx.bfloat16, qm.Q4_0, False), ((8, 5376), mx.bfloat16, qm.Q8_0, False))  # fmt: skip
+    for opted in ("", "quant_matvec_runs_m"):
+        monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, opted)
+        for shape, dtype, fmt, runs_m in cases:
+            blocks = mx.zeros((64, qm.row_bytes(fmt, shape[-1])), mx.uint8)
+            routed.clear()
+            qm.quant_matvec(mx.zeros(shape, dtype), blocks, fmt, 64)
+            assert ("launch_dense_runs_m" in routed) == (runs_m and bool(opted)), (shape, dtype, fmt, opted, routed)
+            routed.clear()
+            qm.gate_up(mx.zeros(shape, dtype), blocks, fmt, 32)
+            assert ("launch_gate_up_runs_m" in routed) == (runs_m and bool(opted)), (shape, dtype, fmt, opted, routed)
+
+
+def test_runs_m_plans_and_geometry(monkeypatch):
+    """runs16m: one threadgroup per `warps` row sets of 16 rows (8 gate + 8 up), 32 lanes a warp, the
+    output [M, N]; its slots' shared memory; bad geometries, K, token counts and dtypes refused."""
+    monkeypatch.delenv(qm.RUNS_M_GEOMETRY_ENV, raising=False)
+    assert qm.default_runs_m_config() == qm.RunsMConfig(4, 2)
+    plan = qm.plan_runs_m("dense", 8, 21504, 5376)
+    assert plan.grid == (math.ceil(21504 / 16 / 4) * 128, 1, 1) and plan.threadgroup == (128, 1, 1)
+    assert plan.output_shape == (8, 21504) and dict(plan.template) == {"T": "bfloat16", "NW": 4, "STG": 2}
+    gu = qm.plan_runs_m("gate_up", 3, 21, 512, qm.RunsMConfig(2, 3))
+    assert gu.grid == (2 * 64, 1, 1) and gu.output_shape == (3, 21)  # 3 sets of 8 outputs -> 2 threadgroups
+    assert qm.runs_m_shared_bytes(qm.RunsMConfig(4, 2)) == 2 * (4 * 16 * 304 + 8 * 1056)
+    monkeypatch.setenv(qm.RUNS_M_GEOMETRY_ENV, "warps=8,stages=3")
+    assert qm.default_runs_m_config() == qm.RunsMConfig(8, 3)
+    monkeypatch.delenv(qm.RUNS_M_GEOMETRY_ENV)
+    for bad in (dict(warps=3), dict(stages=0), dict(stages=5)):
+        with pytest.raises(ValueError):
+            qm.RunsMConfig(**bad)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        qm.plan_runs_m("dense", 2, 16, 2592)
+    for m in (0, 9):
+        with pytest.raises(ValueError, match="1..8 tokens"):
+            qm.plan_runs_m("dense", m, 16, 512)
+    with pytest.raises(TypeError, match="bfloat16"):
+        qm.launch_dense_runs_m(mx.zeros((2, 512), mx.float32), mx.zeros((16, 288), mx.uint8), 16)
+    with pytest.raises(ValueError):
+        qm.launch_gate_up_runs_m(mx.zeros((2, 512), mx.bfloat16), mx.zeros((16, 288), mx.uint8), 9)
 
 
 def test_backend_and_reference_switch(monkeypatch):
