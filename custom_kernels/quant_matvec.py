@@ -2053,10 +2053,12 @@ __device__ __forceinline__ void g4_runs16_bulk_loop(float (&acc)[4], uint8_t* st
 # lanes' 4- and 8-byte reads of a block fall in distinct banks. Rows or x not 16-byte aligned are
 # copied by 2-byte loads instead (the same slots, a threadgroup barrier in place of the mbarrier).
 _RUNS16M_HEADER_CUDA = r"""
-// 4 bytes at p, 4-byte aligned (a4) or 2-byte aligned (two 2-byte loads); a4 is a constant once
-// the caller's loop is unrolled
-__device__ __forceinline__ uint32_t g4_u32_at(const uint8_t* p, bool a4) {
-  return a4 ? *reinterpret_cast<const uint32_t*>(p) : g4_u16(p) | (g4_u16(p + 2) << 16);
+// 2 bytes at p in shared memory (g4_u16 reads through the read-only global path)
+__device__ __forceinline__ uint32_t g4_s16(const uint8_t* p) { return *reinterpret_cast<const unsigned short*>(p); }
+// 4 bytes at p in shared memory, 4-byte aligned (a4) or 2-byte aligned (two 2-byte loads); a4 is a
+// constant once the caller's loop is unrolled
+__device__ __forceinline__ uint32_t g4_s32_at(const uint8_t* p, bool a4) {
+  return a4 ? *reinterpret_cast<const uint32_t*>(p) : g4_s16(p) | (g4_s16(p + 2) << 16);
 }
 // One step of lane (g, t) of a runs16m warp: blocks 0..nb-1 of the step of rows g (w0, 18 bytes a
 // block) and g + 8 (w0 + 8 RS) against token g's x of the step (xg; zeros when tok is false, a
@@ -2072,7 +2074,7 @@ __device__ __forceinline__ void g4_runs16m_step(float (&acc)[4], const uint8_t* 
       const uint8_t* p0 = w0 + 18 * b;
       const uint8_t* p1 = p0 + 8 * RS;
       // qs bytes 4t .. 4t + 3 sit at 18 b + 2 + 4t: 4-byte aligned for odd b (RS and slots are multiples of 16)
-      const uint32_t q0 = g4_u32_at(p0 + 2 + 4 * t, b & 1), q1 = g4_u32_at(p1 + 2 + 4 * t, b & 1);
+      const uint32_t q0 = g4_s32_at(p0 + 2 + 4 * t, b & 1), q1 = g4_s32_at(p1 + 2 + 4 * t, b & 1);
       uint2 xl = make_uint2(0u, 0u), xh = make_uint2(0u, 0u);
       if (tok) {
         xl = *reinterpret_cast<const uint2*>(xg + 64 * b + 8 * t);
@@ -2085,7 +2087,7 @@ __device__ __forceinline__ void g4_runs16m_step(float (&acc)[4], const uint8_t* 
                   g4_q4_pair(l1, 0x4342u), xl.x, xl.y);
       g4_mma_bf16(part, g4_q4_pair(h0, 0x4140u), g4_q4_pair(h1, 0x4140u), g4_q4_pair(h0, 0x4342u),
                   g4_q4_pair(h1, 0x4342u), xh.x, xh.y);
-      const float d0 = g4_half_bits(g4_u16(p0)), d1 = g4_half_bits(g4_u16(p1));
+      const float d0 = g4_half_bits(g4_s16(p0)), d1 = g4_half_bits(g4_s16(p1));
       acc[0] += d0 * part[0]; acc[1] += d0 * part[1]; acc[2] += d1 * part[2]; acc[3] += d1 * part[3];
     }
   }
