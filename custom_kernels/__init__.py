@@ -37,10 +37,10 @@ measurements of one family against the rest, or a workaround); it wins over UNPR
 UNPROVEN_ENV = "GEMMA4_MLX_UNPROVEN_KERNELS"
 """Comma-separated op families the model uses only when named here: families not on by default,
 because they have not passed ``pytest -m gpu`` on real hardware yet or showed no measured gain there
-(``norm_moe``, ``router_proj``, ``quant_matvec_runs_m``; on Metal also the CUDA_ONLY ones)."""
+(``norm_moe``, ``router_proj``; on Metal also the CUDA_ONLY ones)."""
 
 PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split",
-                    "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs"})  # fmt: skip
+                    "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m"})  # fmt: skip
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
@@ -56,13 +56,16 @@ in session 12 and took the gate|up from 37-45 to 22.5 us per E4B layer and from 
 71 us (decode 65.7-67.7 -> 71.3-72.7 tok/s in alternated processes); "quant_matvec_runs" (one-token
 Q4_0 dense rows through the runs kernel where its grid is wide, quant_matvec.dense_runs_wide: the
 31B projections) passed them in sessions 12-13 and became a CUDA default in session 15 with its
-staged bulk-copy form (31B q|k|v / o_proj / down 31 / 15 / 32 us against 33 / 16 / 37). The exact texts
+staged bulk-copy form (31B q|k|v / o_proj / down 31 / 15 / 32 us against 33 / 16 / 37);
+"quant_matvec_runs_m" (2..8 bf16 tokens with Q4_0 rows, dense and gate|up, through the runs16m
+kernels, CUDA only) passed its operator tests and memcheck in session 16 and took the 31B FFN gate
+at M = 8 from 39.1 to 26.3 us and the fused gate|up from 123 to 51.5 us. The exact texts
 that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
-CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs"})
+CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m"})
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-FAMILIES = PROVEN | {"norm_moe", "router_proj", "quant_matvec_runs_m"}
+FAMILIES = PROVEN | {"norm_moe", "router_proj"}
 """Every op family the model can use: the PROVEN ones and the opt-in ones (UNPROVEN_ENV)."""
 
 _kernel_cache: dict[tuple, Callable] = {}

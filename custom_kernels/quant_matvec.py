@@ -2198,7 +2198,10 @@ RUNS_M_GEOMETRY_ENV = "GEMMA4_MLX_RUNS_M_GEOMETRY"
 class RunsMConfig:
     """Geometry of the CUDA runs16m kernels (1..8 tokens): warps per threadgroup, each with its
     own 16-row set (they share each step's x), and stages, the slots of a step (the copy of step u +
-    STG - 1 overlaps the work on step u). The slots take dynamic shared memory (runs_m_shared_bytes)."""
+    STG - 1 overlaps the work on step u). The slots take dynamic shared memory (runs_m_shared_bytes).
+    The default, 4 warps x 2 slots, measured best on the H200 (bench/NOTES.md, session 16; 31B FFN
+    gate at M = 8: 1 / 2 / 4 / 8 warps x 2 slots 40.2 / 30.7 / 26.3 / 26.9 us; 3 slots 40 us, 2
+    threadgroups per SM instead of 4)."""
 
     warps: int = 4
     stages: int = 2
@@ -2457,7 +2460,7 @@ def plan_runs(kind: str, n: int, k: int, config: RunsConfig | None = None) -> La
 def _use_runs(x_dtype: mx.Dtype, k: int, family: str) -> bool:
     """A runs kernel for this Q4_0 call? (families "gate_up_runs" for a dense MLP's one-token
     gate|up, and "quant_matvec_runs" for one-token dense rows wide enough (dense_runs_wide), CUDA
-    defaults; "quant_matvec_runs_m" for 2..8 tokens, dense or gate|up, opt-in)"""
+    defaults; "quant_matvec_runs_m" for 2..8 tokens, dense or gate|up, a CUDA default since session 16)"""
     return backend() == "cuda" and runs_supported(x_dtype, k) and use_kernel(family)
 
 
@@ -2527,8 +2530,9 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
     expert (one launch, f32 product rounded once), split K on CUDA (H200 31B step: 97 -> 82 us
     against the stream kernel); for Q4_0 on CUDA with bf16 x and K a multiple of 256 the runs
     kernel instead (family gate_up_runs; its staged 16-row form: 31B 102 -> 62 us, E4B 37-45 ->
-    17.5 us per layer). 2..8 rows of bf16 x with Q4_0 blocks and family quant_matvec_runs_m on
-    (opt-in): the runs16m kernel (one launch, f32 product rounded once). Else 2..8 rows: the
+    17.5 us per layer). 2..8 rows of bf16 x with Q4_0 blocks on CUDA (family quant_matvec_runs_m):
+    the runs16m kernel (one launch, f32 product rounded once; 31B at M = 8: 123 -> 51.5 us). Else
+    2..8 rows: the
     dense kernel over all 2F rows, then the product in f32 from
     its x.dtype outputs (the expert kernel would re-read the weights per row: 504 us vs 88 us for
     three ops at the 31B shape, M = 8). Else the reference. ``one_expert``: the same

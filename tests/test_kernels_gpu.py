@@ -437,10 +437,9 @@ def _misaligned_bf16(x: mx.array, offset: int) -> mx.array:
 
 
 def test_q4_0_runs_m_dispatch(monkeypatch):
-    """With family quant_matvec_runs_m opted in, 2..8 bf16 tokens with Q4_0 blocks (dense and gate|up)
-    go to the runs16m kernels and stay as accurate as the reference bound."""
+    """With family quant_matvec_runs_m on (a CUDA default), 2..8 bf16 tokens with Q4_0 blocks (dense
+    and gate|up) go to the runs16m kernels and stay as accurate as the reference bound."""
     monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "quant_matvec_runs_m")
     launched = []
     for name in ("launch_dense_runs_m", "launch_gate_up_runs_m"):
         real = getattr(qm, name)
@@ -465,7 +464,7 @@ def test_q4_0_runs_m_dispatch(monkeypatch):
 def test_q4_0_runs_dispatch(monkeypatch):
     """With families quant_matvec_runs and gate_up_runs on (the CUDA defaults) and no grid-width bar for
     dense rows, one-token bf16 Q4_0 calls (dense, gate_up, x with lead dims) go to the runs kernels
-    and stay as accurate; K not a multiple of 256, f32 and M = 2 keep their kernels."""
+    and stay as accurate; K not a multiple of 256 and f32 keep their kernels, and M = 2 takes others."""
     monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
     monkeypatch.setattr(qm, "RUNS_DENSE_MIN_WARPS", 0)
     launched = []

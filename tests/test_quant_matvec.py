@@ -311,7 +311,7 @@ def test_one_token_dense_routing_on_cuda(monkeypatch):
     monkeypatch.setattr(qm, "backend", lambda: "cuda")
     monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
     routed = []
-    for name in ("launch_dense_runs", "launch_dense_stream", "launch_dense_mma", "launch_dense"):
+    for name in ("launch_dense_runs", "launch_dense_runs_m", "launch_dense_stream", "launch_dense_mma", "launch_dense"):
         monkeypatch.setattr(qm, name, lambda *a, _name=name, **kw: routed.append(_name) or "stub")
     cases = (((1, 21504), mx.bfloat16, 5376, True), ((1, 1, 8192), mx.bfloat16, 5376, True),
              ((1, 10240), mx.bfloat16, 2560, False), ((1, 21504), mx.float32, 5376, False),
@@ -327,9 +327,9 @@ def test_one_token_dense_routing_on_cuda(monkeypatch):
 
 def test_many_token_routing_on_cuda(monkeypatch):
     """On CUDA (faked, launches stubbed), 2..8 bf16 tokens with Q4_0 blocks go to the runs16m kernels
-    (dense and gate|up) only with family quant_matvec_runs_m opted in; one token, f32 x, K not a
-    multiple of 256 and Q8_0 blocks keep their kernels."""
-    for env in (qm.RUNS_GEOMETRY_ENV, qm.RUNS_M_GEOMETRY_ENV, custom_kernels.KERNELS_OFF_ENV, custom_kernels.KERNELS_ENV):
+    (dense and gate|up) unless GEMMA4_MLX_KERNELS_OFF names quant_matvec_runs_m; one token, f32 x, K
+    not a multiple of 256 and Q8_0 blocks keep their kernels."""
+    for env in (qm.RUNS_GEOMETRY_ENV, qm.RUNS_M_GEOMETRY_ENV, custom_kernels.UNPROVEN_ENV, custom_kernels.KERNELS_ENV):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setattr(qm, "backend", lambda: "cuda")
     monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
@@ -340,16 +340,16 @@ def test_many_token_routing_on_cuda(monkeypatch):
     cases = (((8, 5376), mx.bfloat16, qm.Q4_0, True), ((2, 1, 512), mx.bfloat16, qm.Q4_0, True),
              ((1, 5376), mx.bfloat16, qm.Q4_0, False), ((8, 5376), mx.float32, qm.Q4_0, False),
              ((4, 1056), mx.bfloat16, qm.Q4_0, False), ((8, 5376), mx.bfloat16, qm.Q8_0, False))  # fmt: skip
-    for opted in ("", "quant_matvec_runs_m"):
-        monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, opted)
+    for off in ("", "quant_matvec_runs_m"):
+        monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, off)
         for shape, dtype, fmt, runs_m in cases:
             blocks = mx.zeros((64, qm.row_bytes(fmt, shape[-1])), mx.uint8)
             routed.clear()
             qm.quant_matvec(mx.zeros(shape, dtype), blocks, fmt, 64)
-            assert ("launch_dense_runs_m" in routed) == (runs_m and bool(opted)), (shape, dtype, fmt, opted, routed)
+            assert ("launch_dense_runs_m" in routed) == (runs_m and not off), (shape, dtype, fmt, off, routed)
             routed.clear()
             qm.gate_up(mx.zeros(shape, dtype), blocks, fmt, 32)
-            assert ("launch_gate_up_runs_m" in routed) == (runs_m and bool(opted)), (shape, dtype, fmt, opted, routed)
+            assert ("launch_gate_up_runs_m" in routed) == (runs_m and not off), (shape, dtype, fmt, off, routed)
 
 
 def test_runs_m_plans_and_geometry(monkeypatch):
