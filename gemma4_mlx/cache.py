@@ -225,8 +225,9 @@ class StepPosition:
 
     def filled(self, capacity: int) -> mx.array:
         """int32 [1]: slots of a `capacity`-slot ring holding a position, min(offset, capacity)
-        (once per step, computed on the GPU: attention's valid-slot bound; a constant made on the
-        host would sit in MLX's managed small-allocation pool, see bench/NOTES.md session 15)."""
+        (once per step, computed on the GPU: attention's valid-slot bound; with a constant the host
+        wrote, the sliding kernels ran at half speed in some processes on the H200, bench/NOTES.md
+        sessions 15-16)."""
         return self._once(("filled", capacity), lambda: mx.minimum(self.offset, capacity).reshape(1))
 
 
