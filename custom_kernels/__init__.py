@@ -24,7 +24,7 @@ from typing import Callable
 import mlx.core as mx
 
 __all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "mlx_kernel_name", "clear_kernel_cache",
-           "KernelSource", "MX_DTYPES", "dtype_name", "template_args", "KERNELS_ENV", "KERNELS_OFF_ENV", "UNPROVEN_ENV",
+           "KernelSource", "MX_DTYPES", "cuda_arch", "dtype_name", "template_args", "KERNELS_ENV", "KERNELS_OFF_ENV", "UNPROVEN_ENV",
            "PROVEN", "CUDA_ONLY", "FAMILIES", "geometry_override", "geometry_fields", "replace_geometry"]
 
 KERNELS_ENV = "GEMMA4_MLX_KERNELS"
@@ -110,6 +110,16 @@ def backend() -> str:
     if cuda is not None and cuda.is_available():
         return "cuda"
     return "cpu"
+
+
+def cuda_arch() -> int:
+    """The CUDA device's compute capability as major * 10 + minor (90: Hopper), or 0 when MLX does
+    not report one (not a CUDA build). Kernels with Hopper-only instructions (bulk copies,
+    mbarrier transaction counts) check it: on older GPUs their families take other kernels."""
+    if backend() != "cuda":
+        return 0
+    info = mx.device_info()
+    return 10 * int(info.get("compute_capability_major", 0)) + int(info.get("compute_capability_minor", 0))
 
 
 def use_reference() -> bool:

@@ -60,7 +60,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import (KernelSource, backend, dtype_name, geometry_fields, geometry_override, get_kernel, replace_geometry,
+from . import (KernelSource, backend, cuda_arch, dtype_name, geometry_fields, geometry_override, get_kernel, replace_geometry,
                template_args, use_kernel)
 from .dialect import emit, prelude
 
@@ -1467,7 +1467,9 @@ M >= STREAM_MIN_ROWS (replacing the tensor-core kernel), gathered, fused gate/up
 weighted sum at any M <= 8. They passed ``pytest -m gpu`` on the H200 (operator and model-level
 checks) and measured faster there (bench/NOTES.md, 2026-11-29): 31B FFN gate M = 8 38-39 us vs 45 us
 (mma); 26B-A4B expert step with the router-weighted sum 24.6 us vs 52.2 us. None: on where the
-kernel family "quant_matvec_stream" is (custom_kernels.PROVEN); True/False force them."""
+kernel family "quant_matvec_stream" is (custom_kernels.PROVEN); True/False force them (where no
+runs kernel takes the call first: one token through quant_matvec_runs / gate_up_runs, 2..8 tokens
+with K a multiple of 256 through quant_matvec_runs_m)."""
 
 STREAM_MIN_ROWS = 2
 """Dense M below this keeps the f32-FMA kernel: at M = 1 the stream kernel measured the same
@@ -1479,7 +1481,7 @@ def _use_stream(x_dtype: mx.Dtype, k: int, rows: int | None = None) -> bool:
     if rows is not None and rows < STREAM_MIN_ROWS:
         return False
     enabled = use_kernel("quant_matvec_stream") if STREAM_KERNELS is None else STREAM_KERNELS
-    return enabled and backend() == "cuda" and stream_supported(x_dtype, k)
+    return enabled and backend() == "cuda" and stream_supported(x_dtype, k) and _arch_at_least(MMA_ARCH)
 
 
 def _need_bf16(x: mx.array) -> None:
@@ -2207,10 +2209,10 @@ class RunsMConfig:
     stages: int = 2
 
     def __post_init__(self):
-        if self.warps not in (1, 2, 4, 8):
-            raise ValueError("warps must be 1, 2, 4 or 8")
-        if self.stages not in (1, 2, 3, 4):
-            raise ValueError("stages must be 1..4")
+        if type(self.warps) is not int or self.warps not in (1, 2, 4, 8):
+            raise ValueError(f"warps must be 1, 2, 4 or 8, got {self.warps!r}")
+        if type(self.stages) is not int or self.stages not in (1, 2, 3, 4):
+            raise ValueError(f"stages must be 1..4, got {self.stages!r}")
         if runs_m_shared_bytes(self) > RUNS_DYNAMIC_LIMIT:
             raise ValueError(f"{self.warps} warps x {self.stages} stages need {runs_m_shared_bytes(self)} bytes of "
                              f"shared memory, over {RUNS_DYNAMIC_LIMIT}")  # fmt: skip
@@ -2241,8 +2243,12 @@ def _runs_m_def(kind: str) -> _KernelDef:
 
 def plan_runs_m(kind: str, m: int, n: int, k: int, config: RunsMConfig | None = None) -> LaunchPlan:
     """Launch plan of a runs16m kernel for m tokens; ``n`` is N (dense) or F (gate_up)."""
-    if k % 256:
-        raise ValueError(f"runs kernels: K={k} is not a multiple of 256")
+    if kind not in ("dense", "gate_up"):
+        raise ValueError(f"runs16m kernels: kind must be 'dense' or 'gate_up', got {kind!r}")
+    if k <= 0 or k % 256:
+        raise ValueError(f"runs kernels: K={k} is not a positive multiple of 256")
+    if n <= 0:
+        raise ValueError(f"runs16m kernels: need at least one output row, got {n}")
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"the runs16m kernels take 1..{MAX_ROWS} tokens, got {m}")
     cfg = config or default_runs_m_config()
@@ -2272,6 +2278,8 @@ def _launch_runs_m(kind, x, blocks, rows, n, config, init_value, out_shape):
     _check_dense(x, blocks, Q4_0, rows)
     cfg = config or default_runs_m_config()
     plan = plan_runs_m(kind, math.prod(x.shape[:-1]), n, x.shape[-1], cfg)
+    if backend() != "cuda" or not _arch_at_least(BULK_ARCH):
+        raise RuntimeError(f"the runs16m kernels need a CUDA GPU of compute capability >= {BULK_ARCH}")
     return _run(_runs_m_def(kind), [x, blocks], plan, x.dtype, init_value, out_shape, runs_m_shared_bytes(cfg))
 
 
@@ -2384,7 +2392,7 @@ def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
         raise ValueError(f"{RUNS_GEOMETRY_ENV}: rows must be 8 or 16, got {rows}")
     stages = fields.get("stages", (RUNS_STAGES if kind == "gate_up" else RUNS_DENSE_STAGES) if rows == 16 else 0)
     dynamic = fields.get("dynamic", 0)
-    bulk = RUNS_BULK if stages and dynamic != 1 else 0
+    bulk = RUNS_BULK if stages and dynamic != 1 and _arch_at_least(BULK_ARCH) else 0
     warps = runs_warps(kind, n, k, rows, stages, RUNS_DYNAMIC_LIMIT if dynamic == 1 else RUNS_SHARED_LIMIT)
     l2 = RUNS_L2_PREFETCH if rows == 16 and not stages else 0
     return replace_geometry(RunsConfig(warps, RUNS_PREFETCH, rows, l2, stages, bulk, dynamic), fields,
@@ -2457,11 +2465,28 @@ def plan_runs(kind: str, n: int, k: int, config: RunsConfig | None = None) -> La
     return LaunchPlan(template, (sets * threads, 1, 1), (threads, 1, 1), (1, n))
 
 
+MMA_ARCH = 80
+"""Compute capability (major * 10 + minor) that bf16 mma.sync and cp.async need (the runs, stream
+and tensor-core kernels): below it Q4_0 takes the f32-FMA kernels."""
+BULK_ARCH = 90
+"""Compute capability of the bulk copies and mbarrier transaction counts (Hopper): the staged runs
+kernels fill their slots with 16-byte cp.async below it, and the runs16m kernels are off."""
+
+
+def _arch_at_least(arch: int) -> bool:
+    """The CUDA device has compute capability >= arch (an unreported one, 0, counts as the H200
+    these defaults were measured on)."""
+    have = cuda_arch()
+    return have == 0 or have >= arch
+
+
 def _use_runs(x_dtype: mx.Dtype, k: int, family: str) -> bool:
     """A runs kernel for this Q4_0 call? (families "gate_up_runs" for a dense MLP's one-token
     gate|up, and "quant_matvec_runs" for one-token dense rows wide enough (dense_runs_wide), CUDA
-    defaults; "quant_matvec_runs_m" for 2..8 tokens, dense or gate|up, a CUDA default since session 16)"""
-    return backend() == "cuda" and runs_supported(x_dtype, k) and use_kernel(family)
+    defaults; "quant_matvec_runs_m" for 2..8 tokens, dense or gate|up, a CUDA default since session
+    16, on Hopper only)"""
+    arch = BULK_ARCH if family == "quant_matvec_runs_m" else MMA_ARCH
+    return backend() == "cuda" and runs_supported(x_dtype, k) and use_kernel(family) and _arch_at_least(arch)
 
 
 def launch_dense_runs(x: mx.array, blocks: mx.array, n: int, config: RunsConfig | None = None,
@@ -2518,7 +2543,7 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
         return launch_dense_runs_m(x, blocks, n, out_shape=out_shape)
     if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1], m):
         return launch_dense_stream(x, blocks, n, out_shape=out_shape)
-    if ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda":
+    if ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda" and _arch_at_least(MMA_ARCH):
         return launch_dense_mma(x, blocks, n, out_shape=out_shape)
     return launch_dense(x, blocks, ggml_type, n, out_shape=out_shape)
 
@@ -2531,11 +2556,10 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
     against the stream kernel); for Q4_0 on CUDA with bf16 x and K a multiple of 256 the runs
     kernel instead (family gate_up_runs; its staged 16-row form: 31B 102 -> 62 us, E4B 37-45 ->
     17.5 us per layer). 2..8 rows of bf16 x with Q4_0 blocks on CUDA (family quant_matvec_runs_m):
-    the runs16m kernel (one launch, f32 product rounded once; 31B at M = 8: 123 -> 51.5 us). Else
-    2..8 rows: the
-    dense kernel over all 2F rows, then the product in f32 from
-    its x.dtype outputs (the expert kernel would re-read the weights per row: 504 us vs 88 us for
-    three ops at the 31B shape, M = 8). Else the reference. ``one_expert``: the same
+    the runs16m kernel (one launch, f32 product rounded once; 31B at M = 8: 123 -> 51.5 us). Other
+    2..8-row calls: the dense kernel over all 2F rows, then the product in f32 from its x.dtype
+    outputs (the expert kernel would re-read the weights per row: 504 us vs 88 us for three ops at
+    the 31B shape, M = 8). Else the reference. ``one_expert``: the same
     blocks as [1, 2F, row_bytes], evaluated (a caller that keeps it spares the step an expand node)."""
     k = _check_dense(x, blocks, ggml_type, 2 * f)
     if one_expert is not None and one_expert.shape != (1, *blocks.shape):

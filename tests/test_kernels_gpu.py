@@ -363,6 +363,7 @@ def _misaligned(raw: np.ndarray, offset: int) -> mx.array:
     return flat[offset:].reshape(raw.shape)
 
 
+@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
 @pytest.mark.parametrize("n,k", [(2048, 5376), (1003, 2560), (77, 21504), (40, 256)])
 def test_q4_0_runs_kernels(n, k):
     """The one-token runs kernels (dense and gate|up), 8-row form at every warp count with and
@@ -401,6 +402,7 @@ def test_q4_0_runs_kernels(n, k):
         assert mx.array_equal(qm.launch_dense_runs(x, blocks, n, cfg), qm.launch_dense_runs(x, blocks, n, cfg)).item()
 
 
+@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
 @pytest.mark.parametrize("n,k", [(2048, 5376), (1003, 2560), (77, 21504), (40, 256), (300, 768)])
 def test_q4_0_runs_m_kernels(n, k):
     """The runs16m kernels (dense and gate|up) at M = 1, 2, 5, 8 (x with lead dims too), every warp
@@ -427,7 +429,9 @@ def test_q4_0_runs_m_kernels(n, k):
                 gu = qm.launch_gate_up_runs_m(xx, bb2, f, cfg, init_value=NAN)
                 assert gu.shape == (m, f)
                 _check(gu, gu_want, gu_bound, mx.bfloat16, f"runs16m gate_up {what} M={m} F={f} K={k} {cfg}")
-            assert mx.array_equal(qm.launch_dense_runs_m(x, blocks, n, cfg), qm.launch_dense_runs_m(x, blocks, n, cfg)).item()
+            for again in (lambda: qm.launch_dense_runs_m(x, blocks, n, cfg), lambda: qm.launch_gate_up_runs_m(x, blocks_gu, f, cfg),
+                          lambda: qm.launch_dense_runs_m(x_off, _misaligned(raw, 2), n, cfg)):  # fmt: skip
+                assert mx.array_equal(again(), again()).item(), cfg
 
 
 def _misaligned_bf16(x: mx.array, offset: int) -> mx.array:
@@ -436,6 +440,7 @@ def _misaligned_bf16(x: mx.array, offset: int) -> mx.array:
     return flat[offset // 2 :].reshape(x.shape)
 
 
+@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
 def test_q4_0_runs_m_dispatch(monkeypatch):
     """With family quant_matvec_runs_m on (a CUDA default), 2..8 bf16 tokens with Q4_0 blocks (dense
     and gate|up) go to the runs16m kernels and stay as accurate as the reference bound."""
@@ -461,6 +466,7 @@ def test_q4_0_runs_m_dispatch(monkeypatch):
         assert launched == ["launch_dense_runs_m", "launch_gate_up_runs_m"], shape
 
 
+@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
 def test_q4_0_runs_dispatch(monkeypatch):
     """With families quant_matvec_runs and gate_up_runs on (the CUDA defaults) and no grid-width bar for
     dense rows, one-token bf16 Q4_0 calls (dense, gate_up, x with lead dims) go to the runs kernels

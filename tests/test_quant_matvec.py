@@ -374,10 +374,47 @@ def test_runs_m_plans_and_geometry(monkeypatch):
     for m in (0, 9):
         with pytest.raises(ValueError, match="1..8 tokens"):
             qm.plan_runs_m("dense", m, 16, 512)
+    for bad in (dict(warps=4.0), dict(warps=True), dict(stages=2.0)):
+        with pytest.raises(ValueError):
+            qm.RunsMConfig(**bad)
+    with pytest.raises(ValueError, match="kind"):
+        qm.plan_runs_m("gate", 2, 16, 512)
+    with pytest.raises(ValueError, match="positive multiple of 256"):
+        qm.plan_runs_m("dense", 2, 16, 0)
+    with pytest.raises(ValueError, match="output row"):
+        qm.plan_runs_m("gate_up", 2, 0, 512)
     with pytest.raises(TypeError, match="bfloat16"):
         qm.launch_dense_runs_m(mx.zeros((2, 512), mx.float32), mx.zeros((16, 288), mx.uint8), 16)
     with pytest.raises(ValueError):
         qm.launch_gate_up_runs_m(mx.zeros((2, 512), mx.bfloat16), mx.zeros((16, 288), mx.uint8), 9)
+    if custom_kernels.backend() != "cuda":  # valid inputs: refused here with a reason, not a compile error
+        with pytest.raises(RuntimeError, match="compute capability"):
+            qm.launch_dense_runs_m(mx.zeros((2, 512), mx.bfloat16), mx.zeros((16, 288), mx.uint8), 16)
+
+
+def test_runs_kernels_follow_the_compute_capability(monkeypatch):
+    """On CUDA (faked): below sm_90 the staged runs kernels fill their slots with cp.async (no bulk
+    copies) and 2..8 tokens leave runs16m for the stream kernel; below sm_80 (no bf16 mma.sync) Q4_0
+    takes the f32-FMA kernels; an unreported capability (0) keeps the H200 defaults."""
+    for env in (qm.RUNS_GEOMETRY_ENV, custom_kernels.UNPROVEN_ENV, custom_kernels.KERNELS_OFF_ENV, custom_kernels.KERNELS_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(qm, "backend", lambda: "cuda")
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    routed = []
+    for name in ("launch_dense_runs_m", "launch_dense_runs", "launch_dense_stream", "launch_dense_mma", "launch_dense"):
+        monkeypatch.setattr(qm, name, lambda *a, _name=name, **kw: routed.append(_name) or mx.zeros((1,)))
+    blocks = mx.zeros((21504, qm.row_bytes(qm.Q4_0, 5376)), mx.uint8)
+    for arch, bulk, many, one in ((0, 1, "launch_dense_runs_m", "launch_dense_runs"),
+                                  (90, 1, "launch_dense_runs_m", "launch_dense_runs"),
+                                  (80, 0, "launch_dense_stream", "launch_dense_runs"),
+                                  (75, 0, "launch_dense", "launch_dense")):  # fmt: skip
+        monkeypatch.setattr(qm, "cuda_arch", lambda arch=arch: arch)
+        assert qm.default_runs_config("gate_up", 21504, 5376).bulk == bulk, arch
+        routed.clear()
+        qm.quant_matvec(mx.zeros((8, 5376), mx.bfloat16), blocks, qm.Q4_0, 21504)
+        qm.quant_matvec(mx.zeros((1, 5376), mx.bfloat16), blocks, qm.Q4_0, 21504)
+        assert routed[0] == many and routed[1] != "launch_dense_runs_m", (arch, routed)
+        assert (routed[1] == "launch_dense_runs") == (one == "launch_dense_runs"), (arch, routed)
 
 
 def test_backend_and_reference_switch(monkeypatch):
