@@ -116,8 +116,11 @@ def cuda_arch() -> int:
     """The CUDA device's compute capability as major * 10 + minor (90: Hopper), or 0 when MLX does
     not report one (not a CUDA build). Kernels with Hopper-only instructions (bulk copies,
     mbarrier transaction counts) check it: on older GPUs their families take other kernels."""
-    if backend() != "cuda":
-        return 0
+    return _device_arch() if backend() == "cuda" else 0
+
+
+@functools.lru_cache(maxsize=1)
+def _device_arch() -> int:
     info = mx.device_info()
     return 10 * int(info.get("compute_capability_major", 0)) + int(info.get("compute_capability_minor", 0))
 
