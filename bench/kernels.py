@@ -381,7 +381,8 @@ def dense_case(model, name, ggml_type, n, k, ms, dtype, quick, on_gpu, config=No
                 rows.append(dict(model=model, name=name, impl=_runs_impl("q4_0_matvec", rcfg), N=n, K=k, M=m,
                                  sets=sets, **timed(calls, quick, nbytes),
                                  config=[rcfg.rows, rcfg.warps, rcfg.stages, rcfg.bulk, rcfg.dynamic]))  # fmt: skip
-        if runs and on_gpu and ggml_type == qm.Q4_0 and custom_kernels.backend() == "cuda" and qm.runs_supported(dtype, k):
+        if (runs and on_gpu and ggml_type == qm.Q4_0 and custom_kernels.backend() == "cuda" and qm.runs_supported(dtype, k)
+                and qm._arch_at_least(qm.BULK_ARCH)):  # fmt: skip
             for mcfg in RUNS_M_VARIANTS:
                 calls = [lambda w=w, c=mcfg: qm.launch_dense_runs_m(x, w, n, config=c) for w in weights]
                 rows.append(dict(model=model, name=name, impl=_runs_m_impl("q4_0_matvec", mcfg), N=n, K=k, M=m,
@@ -461,7 +462,7 @@ def gate_up_case(model, f, k, ms, dtype, quick, on_gpu):
         if m == 1 and on_gpu and custom_kernels.backend() == "cuda" and qm.runs_supported(dtype, k):
             for rcfg in runs_variants("gate_up", f, k):
                 variants[_runs_impl("gate_up", rcfg)] = lambda w, c=rcfg: qm.launch_gate_up_runs(x, w, f, config=c)
-        if on_gpu and custom_kernels.backend() == "cuda" and qm.runs_supported(dtype, k):
+        if on_gpu and custom_kernels.backend() == "cuda" and qm.runs_supported(dtype, k) and qm._arch_at_least(qm.BULK_ARCH):
             for mcfg in RUNS_M_VARIANTS:
                 variants[_runs_m_impl("gate_up", mcfg)] = lambda w, c=mcfg: qm.launch_gate_up_runs_m(x, w, f, config=c)
         for impl, fn in variants.items():
