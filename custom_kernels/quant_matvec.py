@@ -2922,18 +2922,23 @@ def _stream_cases(kind: str):
     return make
 
 
-def _runs_case(rng, kind, n, k, config):
-    """A bf16 one-token case of a runs kernel (8- or 16-row form by config): dense N rows, or
-    gate|up with F = n."""
+def _runs_case(rng, kind, n, k, config, m=1, lead=None):
+    """A bf16 case of a runs kernel: one token for a RunsConfig (8- or 16-row form), m tokens (x with
+    lead dims `lead` when given) for a RunsMConfig (runs16m); dense N rows, or gate|up with F = n."""
     if kind == "dense":
-        case = _mma_case(rng, 1, n, k, None)
+        case = _mma_case(rng, m, n, k, None)
     else:  # the expert gate/up case with one expert and one slot, as a dense matrix
-        case = _gather_case(rng, Q4_0, "gate_up", "bfloat16", 1, 1, 1, n, k, False, KernelConfig())
+        case = _gather_case(rng, Q4_0, "gate_up", "bfloat16", m, 1, 1, n, k, False, KernelConfig())
         case = dataclasses.replace(case, inputs={"x": case.inputs["x"], "wq": case.inputs["wq"][0]},
-                                   output_shapes=[(1, n)], expected=[case.expected[0].reshape(1, n)])
-    plan = plan_runs(kind, n, k, config)
+                                   output_shapes=[(m, n)], expected=[case.expected[0].reshape(m, n)])
+    if lead is not None:
+        case = dataclasses.replace(case, inputs={**case.inputs, "x": case.inputs["x"].reshape(*lead, k)})
+    if isinstance(config, RunsMConfig):
+        plan, shared, form = plan_runs_m(kind, m, n, k, config), runs_m_shared_bytes(config), f"runs16m M={m} "
+    else:
+        plan, shared, form = plan_runs(kind, n, k, config), runs_dynamic_bytes(config), ""
     return dataclasses.replace(case, template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
-                               label=f"{kind} N={n} K={k} {config}", cuda_shared_memory=runs_dynamic_bytes(config))
+                               label=f"{form}{kind} N={n} K={k} {config}", cuda_shared_memory=shared)
 
 
 def _runs_cases(kind: str, rows: int = 8, staged: bool = False, bulk: int = 0, dynamic: int = 0):
@@ -2977,23 +2982,6 @@ def _runs_cases(kind: str, rows: int = 8, staged: bool = False, bulk: int = 0, d
     return make
 
 
-def _runs_m_case(rng, kind, m, n, k, config, lead=None):
-    """A bf16 case of a runs16m kernel with m tokens (x with lead dims `lead` when given): dense N
-    rows, or gate|up with F = n."""
-    if kind == "dense":
-        case = _mma_case(rng, m, n, k, None)
-    else:  # the expert gate/up case with one expert and one slot, as a dense matrix
-        case = _gather_case(rng, Q4_0, "gate_up", "bfloat16", m, 1, 1, n, k, False, KernelConfig())
-        case = dataclasses.replace(case, inputs={"x": case.inputs["x"], "wq": case.inputs["wq"][0]},
-                                   output_shapes=[(m, n)], expected=[case.expected[0].reshape(m, n)])
-    if lead is not None:
-        case = dataclasses.replace(case, inputs={**case.inputs, "x": case.inputs["x"].reshape(*lead, k)})
-    plan = plan_runs_m(kind, m, n, k, config)
-    return dataclasses.replace(case, template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
-                               label=f"runs16m {kind} M={m} N={n} K={k} {config}",
-                               cuda_shared_memory=runs_m_shared_bytes(config))  # fmt: skip
-
-
 def _runs_m_cases(kind: str):
     """Every token count class (1, odd, 8; lead dims), partial last row sets and threadgroups with
     idle warps, K of one step of 2 runs (256), a last step of 2 runs (768, 5376), every stage count
@@ -3002,12 +2990,12 @@ def _runs_m_cases(kind: str):
     def make(rng: np.random.Generator):
         c = RunsMConfig
         if kind == "dense":
-            return [_runs_m_case(rng, kind, 8, 37, 5376, c(4, 2)), _runs_m_case(rng, kind, 1, 45, 2560, c(2, 1)),
-                    _runs_m_case(rng, kind, 3, 16, 256, c(1, 3)), _runs_m_case(rng, kind, 6, 130, 768, c(8, 4), (2, 3)),
-                    _runs_m_case(rng, kind, 5, 9, 2816, c(1, 2))]  # fmt: skip
-        return [_runs_m_case(rng, kind, 8, 11, 5376, c(4, 2)), _runs_m_case(rng, kind, 2, 13, 512, c(1, 1)),
-                _runs_m_case(rng, kind, 7, 21, 768, c(2, 3), (7, 1)), _runs_m_case(rng, kind, 1, 70, 2560, c(8, 4)),
-                _runs_m_case(rng, kind, 4, 5, 2816, c(2, 2))]  # fmt: skip
+            return [_runs_case(rng, kind, 37, 5376, c(4, 2), 8), _runs_case(rng, kind, 45, 2560, c(2, 1), 1),
+                    _runs_case(rng, kind, 16, 256, c(1, 3), 3), _runs_case(rng, kind, 130, 768, c(8, 4), 6, (2, 3)),
+                    _runs_case(rng, kind, 9, 2816, c(1, 2), 5)]  # fmt: skip
+        return [_runs_case(rng, kind, 11, 5376, c(4, 2), 8), _runs_case(rng, kind, 13, 512, c(1, 1), 2),
+                _runs_case(rng, kind, 21, 768, c(2, 3), 7, (7, 1)), _runs_case(rng, kind, 70, 2560, c(8, 4), 1),
+                _runs_case(rng, kind, 5, 2816, c(2, 2), 4)]  # fmt: skip
 
     return make
 

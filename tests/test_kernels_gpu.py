@@ -363,6 +363,12 @@ def _misaligned(raw: np.ndarray, offset: int) -> mx.array:
     return flat[offset:].reshape(raw.shape)
 
 
+def _misaligned_bf16(x: mx.array, offset: int) -> mx.array:
+    """The same bf16 values as x, as a row-contiguous view `offset` bytes into a buffer."""
+    flat = mx.concatenate([mx.zeros((offset // 2,), mx.bfloat16), x.reshape(-1)])
+    return flat[offset // 2 :].reshape(x.shape)
+
+
 @pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
 @pytest.mark.parametrize("n,k", [(2048, 5376), (1003, 2560), (77, 21504), (40, 256)])
 def test_q4_0_runs_kernels(n, k):
@@ -379,8 +385,7 @@ def test_q4_0_runs_kernels(n, k):
     f = n // 2  # gate|up over the first 2F rows
     gu_want, gu_bound = _gelu_times(want[:, : 2 * f], bound[:, : 2 * f], f)
     blocks = mx.array(raw)
-    x_off = mx.array(np.concatenate([[0.0], np.array(x.astype(mx.float32))[0]]).astype(np.float32)).astype(
-        mx.bfloat16)[1:][None]  # fmt: skip
+    x_off = _misaligned_bf16(x, 2)
     assert mx.array_equal(x_off, x).item()
     for warps, prefetch, rows, l2, stages, bulk, dyn in (
         (1, 0, 8, 0, 0, 0, 0), (2, 0, 8, 0, 0, 0, 0), (4, 0, 8, 0, 0, 0, 0), (8, 0, 8, 0, 0, 0, 0), (1, 1, 8, 0, 0, 0, 0),
@@ -432,12 +437,6 @@ def test_q4_0_runs_m_kernels(n, k):
             for again in (lambda: qm.launch_dense_runs_m(x, blocks, n, cfg), lambda: qm.launch_gate_up_runs_m(x, blocks_gu, f, cfg),
                           lambda: qm.launch_dense_runs_m(x_off, _misaligned(raw, 2), n, cfg)):  # fmt: skip
                 assert mx.array_equal(again(), again()).item(), cfg
-
-
-def _misaligned_bf16(x: mx.array, offset: int) -> mx.array:
-    """The same bf16 values as x, as a row-contiguous view `offset` bytes into a buffer."""
-    flat = mx.concatenate([mx.zeros((offset // 2,), mx.bfloat16), x.reshape(-1)])
-    return flat[offset // 2 :].reshape(x.shape)
 
 
 @pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
