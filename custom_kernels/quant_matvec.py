@@ -1692,8 +1692,9 @@ _RUNS_BODY_CUDA = r"""
 # the weights are the A operand instead. Lane (g, t) holds rows g and g + 8 of a 16-row set (gate|up:
 # gate row g and up row g of 8 outputs) and reads the same run of 4 blocks (72 bytes) of both; its A
 # pairs are the same bf16x2 nibble pairs as above, written straight into the quads that mma.sync
-# reads, and x is B: lane (t, t) holds x of lane t's run, every other lane reads zeros from shared
-# memory (no branch), so D[m][n] is row m's block of the run of lanes t = n. Per mma 16 x 16 weights
+# reads, and x is B: lane (t, t) loads x of lane t's run (read-only path, predicated; until session 17
+# the other lanes read zeros from shared memory through the same generic load, 1-4% slower), every
+# other lane holds zeros, so D[m][n] is row m's block of the run of lanes t = n. Per mma 16 x 16 weights
 # (twice the 8 x 16 above) and no register copies of x. Each lane alternates between the even and
 # the odd run of a pair (16-byte loads, then an 8-byte one, or the other way round: one layout per
 # phase, the same for every lane). Same K and alignment rules as the 8-row form. SASS: 2.0
@@ -1746,17 +1747,18 @@ __device__ __forceinline__ float g4_run72_scale(const Q& q, int b) {
   const int o = 18 * b;
   return g4_half_bits((o & 2) ? q[o >> 2] >> 16 : q[o >> 2] & 0xFFFFu);
 }
-// x elements 4w .. 4w + 3 of a block half (8 bytes at p, global or shared: generic loads) as B's
-// two bf16x2: one load when x is 8-byte aligned (XA), else 2-byte loads
+// x elements 4w .. 4w + 3 of a block half (8 bytes of x at p, read-only path) as B's two bf16x2 on
+// the lanes that hold x (xl: g == t), zeros on the others (predicated loads, no branch): one load
+// when x is 8-byte aligned (XA), else 2-byte loads
 template <int XA>
-__device__ __forceinline__ void g4_x8(uint32_t& b0, uint32_t& b1, const uint8_t* p) {
+__device__ __forceinline__ void g4_x8(uint32_t& b0, uint32_t& b1, const uint8_t* p, bool xl) {
   if (XA) {
-    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    uint2 v = make_uint2(0u, 0u);
+    if (xl) v = __ldg(reinterpret_cast<const uint2*>(p));
     b0 = v.x; b1 = v.y;
   } else {
-    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
-    b0 = (uint32_t)h[0] | ((uint32_t)h[1] << 16);
-    b1 = (uint32_t)h[2] | ((uint32_t)h[3] << 16);
+    b0 = xl ? g4_u16(p) | (g4_u16(p + 2) << 16) : 0u;
+    b1 = xl ? g4_u16(p + 4) | (g4_u16(p + 6) << 16) : 0u;
   }
 }
 // One run of each of rows g (q0) and g + 8 (q1) against x of the run (xr): the 4 blocks' dots, scaled
@@ -1764,7 +1766,7 @@ __device__ __forceinline__ void g4_x8(uint32_t& b0, uint32_t& b1, const uint8_t*
 // exists (else d = 0 and q0 / q1 hold some other run of the rows, finite)
 template <int XA, typename Q>
 __device__ __forceinline__ void g4_runs16_run(float (&acc)[4], const Q& q0, const Q& q1,
-                                              const uint8_t* xr, bool live, int g, int t) {
+                                              const uint8_t* xr, bool xl, bool live, int g, int t) {
   const int s0 = 4 * g + ((2 * t) & 3);  // the lanes holding the d of columns 2t, 2t + 1 (t < 2)
   _Pragma("unroll") for (int b = 0; b < 4; ++b) {
     const float d0 = live ? g4_run72_scale(q0, b) : 0.0f;
@@ -1773,7 +1775,7 @@ __device__ __forceinline__ void g4_runs16_run(float (&acc)[4], const Q& q0, cons
     _Pragma("unroll") for (int hi = 0; hi < 2; ++hi) {
       _Pragma("unroll") for (int w = 0; w < 4; ++w) {  // qs pairs 2w, 2w + 1: weights 4w .. 4w + 3 (+16)
         uint32_t b0, b1;
-        g4_x8<XA>(b0, b1, xr + 64 * b + 32 * hi + 8 * w);
+        g4_x8<XA>(b0, b1, xr + 64 * b + 32 * hi + 8 * w, xl);
         g4_mma_bf16(part, g4_run72_pair(q0, b, 2 * w, hi), g4_run72_pair(q1, b, 2 * w, hi),
                     g4_run72_pair(q0, b, 2 * w + 1, hi), g4_run72_pair(q1, b, 2 * w + 1, hi), b0, b1);
       }
@@ -1787,10 +1789,10 @@ __device__ __forceinline__ void g4_runs16_run(float (&acc)[4], const Q& q0, cons
   }
 }
 // Every pair of runs of a warp (j = warp, warp + NW, ...): the 16-row loop of the runs16 kernels.
-// xz: x (lanes g == t) or the zeros, xrun: x bytes per run (256, or 0 for the zeros)
+// xb: x's bytes (256 per run), read by the lanes xl (g == t)
 template <int XA, int L2P>
 __device__ __forceinline__ void g4_runs16_loop(float (&acc)[4], const uint8_t* row0, const uint8_t* row1,
-                                               const uint8_t* xz, int xrun, int C, int warp, int nw, int g,
+                                               const uint8_t* xb, bool xl, int C, int warp, int nw, int g,
                                                int t, bool w_aligned) {
   for (int j = warp; 8 * j < C; j += nw) {
     _Pragma("unroll") for (int ph = 0; ph < 2; ++ph) {
@@ -1805,7 +1807,7 @@ __device__ __forceinline__ void g4_runs16_loop(float (&acc)[4], const uint8_t* r
         g4_load_run72<0, L2P>(q0, row0 + (size_t)cc * 72, w_aligned);
         g4_load_run72<0, L2P>(q1, row1 + (size_t)cc * 72, w_aligned);
       }
-      g4_runs16_run<XA>(acc, q0, q1, xz + (size_t)cc * xrun, live, g, t);
+      g4_runs16_run<XA>(acc, q0, q1, xb + (size_t)cc * 256, xl, live, g, t);
     }
   }
 }
@@ -1835,11 +1837,8 @@ _RUNS16_BODY_CUDA = r"""
   const uint8_t* row0 = wq + (size_t)(ok0 ? r0 : 0) * row_bytes;
   const uint8_t* row1 = wq + (size_t)(ok1 ? r1 : 0) * row_bytes;
   const bool w_aligned = (reinterpret_cast<uintptr_t>(wq) & 15u) == 0;
-  __shared__ __align__(16) uint32_t zeros_s[64];  // B of the lanes g != t: one run's x bytes, all zero
-  for (int i = (int)threadIdx.x; i < 64; i += 32 * NW) zeros_s[i] = 0u;
-  __syncthreads();
-  const uint8_t* xz = g == t ? reinterpret_cast<const uint8_t*>(x) : reinterpret_cast<const uint8_t*>(zeros_s);
-  const int xrun = g == t ? 256 : 0;  // bytes of x per run (0: the zeros)
+  const uint8_t* xb = reinterpret_cast<const uint8_t*>(x);
+  const bool xl = g == t;  // lanes holding x in B (the others hold zeros)
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
 @LOOP@  // row g: lanes t = 0, 1 hold its four columns (lanes 2, 3 zeros); add them in a fixed order
   float s0 = acc[0] + acc[1], s1 = acc[2] + acc[3];
@@ -1854,9 +1853,9 @@ _RUNS16_BODY_CUDA = r"""
 
 
 _RUNS16_LOOP = r"""  if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
-    g4_runs16_loop<1, L2P>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
+    g4_runs16_loop<1, L2P>(acc, row0, row1, xb, xl, C, warp, NW, g, t, w_aligned);
   } else {
-    g4_runs16_loop<0, L2P>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
+    g4_runs16_loop<0, L2P>(acc, row0, row1, xb, xl, C, warp, NW, g, t, w_aligned);
   }
 """
 
@@ -1893,7 +1892,7 @@ struct g4_words8 {
 // 16-byte aligned rows (row_bytes = 72 C, C even, always is a multiple of 16).
 template <int XA, int STG, typename RowOffset>
 __device__ __forceinline__ void g4_runs16_staged_loop(float (&acc)[4], uint8_t* stage, const uint8_t* wq,
-                                                      RowOffset row_off, const uint8_t* xz, int xrun, int C,
+                                                      RowOffset row_off, const uint8_t* xb, bool xl, int C,
                                                       int warp, int nw, int g, int t) {
   constexpr int SB = 16 * 288;  // bytes of a slot
   const int nsteps = (C + 3) / 4;
@@ -1923,7 +1922,7 @@ __device__ __forceinline__ void g4_runs16_staged_loop(float (&acc)[4], uint8_t* 
     const bool live = 4 * st + t < C;  // run 4 st + t of this lane
     const int k = live ? t : t - 2;    // a step holds 4 runs or (the last) 2
     const uint2* q0 = reinterpret_cast<const uint2*>(stage + (u % STG) * SB + 288 * g + 72 * k);
-    g4_runs16_run<XA>(acc, g4_words8(q0), g4_words8(q0 + 8 * 288 / 8), xz + (size_t)(4 * st + k) * xrun, live, g, t);
+    g4_runs16_run<XA>(acc, g4_words8(q0), g4_words8(q0 + 8 * 288 / 8), xb + (size_t)(4 * st + k) * 256, xl, live, g, t);
     __syncwarp();  // every lane has read the slot
     if (STG == 1) {  // one slot: refill it now (the copy overlaps other warps' work only)
       issue(st + nw, 0);
@@ -1946,14 +1945,14 @@ _RUNS16S_LOOP_TEXT = r"""  @STAGE@
   };
   if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
     if (w_aligned) {
-      @FN@<1, STG>(acc, stage, wq, row_off, xz, xrun, C, warp, NW, g, t);
+      @FN@<1, STG>(acc, stage, wq, row_off, xb, xl, C, warp, NW, g, t);
     } else {
-      g4_runs16_loop<1, 0>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
+      g4_runs16_loop<1, 0>(acc, row0, row1, xb, xl, C, warp, NW, g, t, w_aligned);
     }
   } else if (w_aligned) {
-    @FN@<0, STG>(acc, stage, wq, row_off, xz, xrun, C, warp, NW, g, t);
+    @FN@<0, STG>(acc, stage, wq, row_off, xb, xl, C, warp, NW, g, t);
   } else {
-    g4_runs16_loop<0, 0>(acc, row0, row1, xz, xrun, C, warp, NW, g, t, w_aligned);
+    g4_runs16_loop<0, 0>(acc, row0, row1, xb, xl, C, warp, NW, g, t, w_aligned);
   }
 """
 
@@ -2005,7 +2004,7 @@ __device__ __forceinline__ uint64_t* g4_runs16_bars() {
 // per step against ~580 plus that loop, the row offsets moved into uniform registers one by one)
 template <int XA, int STG, typename RowOffset>
 __device__ __forceinline__ void g4_runs16_bulk_loop(float (&acc)[4], uint8_t* stage, const uint8_t* wq,
-                                                    RowOffset row_off, const uint8_t* xz, int xrun, int C,
+                                                    RowOffset row_off, const uint8_t* xb, bool xl, int C,
                                                     int warp, int nw, int g, int t) {
   constexpr int SB = 16 * 288;
   const int lane = (int)(threadIdx.x & 31u);
@@ -2036,7 +2035,7 @@ __device__ __forceinline__ void g4_runs16_bulk_loop(float (&acc)[4], uint8_t* st
     const bool live = 4 * st + t < C;
     const int k = live ? t : t - 2;
     const uint2* q0 = reinterpret_cast<const uint2*>(stage + (u % STG) * SB + 288 * g + 72 * k);
-    g4_runs16_run<XA>(acc, g4_words8(q0), g4_words8(q0 + 8 * 288 / 8), xz + (size_t)(4 * st + k) * xrun, live, g, t);
+    g4_runs16_run<XA>(acc, g4_words8(q0), g4_words8(q0 + 8 * 288 / 8), xb + (size_t)(4 * st + k) * 256, xl, live, g, t);
     __syncwarp();  // every lane has read the slot
     if (STG == 1) issue(st + nw, 0);
   }
