@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ab_decode_alternates_settings(tmp_path):
-    env = {**os.environ, "AB_ARGS": "--quick --steps 4 --warmup 1"}
+    env = {**os.environ, "AB_ARGS": "--quick --steps 4 --warmup 1", "PYTHON": sys.executable}
     r = subprocess.run(["bash", str(ROOT / "bench/tools/ab_decode.sh"), str(tmp_path), "1", "tiny-dense", "32",
                         "plain=", "ref=GEMMA4_MLX_KERNELS=reference", "bad=GEMMA4_MLX_KERNELS=bogus"],
                        env=env, capture_output=True, text=True, timeout=600, check=False)  # fmt: skip

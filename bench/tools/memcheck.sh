@@ -15,7 +15,7 @@ esac
 shift $(( $# > 0 ? 1 : 0 ))
 here="$(cd "$(dirname "$0")" && pwd)"
 cd "$here/../.."  # the repository root: the test paths below are relative to it
-planted=$("$CS" --tool memcheck --print-limit 3 python3 "$here/planted_oob.py" 2>&1)
+planted=$("$CS" --tool memcheck --print-limit 3 "${PYTHON:-python3}" "$here/planted_oob.py" 2>&1)
 echo "$planted" | grep -E "Invalid|ERROR SUMMARY" | head -2
 if ! echo "$planted" | grep -q "Invalid __global__ write"; then
   echo "memcheck did not report the planted write: its results below would mean nothing"; exit 2
@@ -30,7 +30,7 @@ for f in "${files[@]}"; do
   log=/tmp/memcheck-$(basename "${f%%::*}" .py)${f#"${f%%::*}"}.txt  # a node id (file::test) keeps its test name
   log=${log//::/-}
   MLX_ENABLE_TF32=0 timeout "$limit" "$CS" --tool memcheck --print-limit 20 --error-exitcode 9 \
-    python3 -m pytest -m gpu -p no:cacheprovider -p no:benchmark -q "$f" > "$log" 2>&1
+    "${PYTHON:-python3}" -m pytest -m gpu -p no:cacheprovider -p no:benchmark -q "$f" > "$log" 2>&1
   rc=$?
   echo "$f: rc $rc; $(grep "ERROR SUMMARY" "$log" | tail -1); $(tail -1 "$log")"
   grep -E "^========= (Invalid|Program hit)" "$log" | sort | uniq -c | head -10
