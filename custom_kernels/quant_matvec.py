@@ -24,6 +24,8 @@ Ops (activations bf16, f32 or f16; output dtype = activation dtype; f32 accumula
 - ``gate_up(x, blocks, ggml_type, f)``: a dense MLP's gate and up projections stored as one
   [2F, ...] matrix -> gelu_tanh(gate) * up [..., F] (one row: the gate/up kernel with one expert,
   split K on CUDA; 2..8 rows: the dense kernel, then the product).
+- ``quant_matvec_gelu_mul(x, blocks, ggml_type, n, mul)``: gelu_tanh(x @ W.T) * mul, mul [..., N]
+  (E-series' per-layer-input gate; one launch with the opt-in family "matvec_gelu_mul").
 - ``q4_0_moe_down(x, ids, weights, blocks, n)``, ``q8_0_moe_down``: MoE down projection and the
   router-weighted sum over the k slots: x [..., k, K], ids/weights [..., k] -> [..., N] (Q4_0: one
   launch on CUDA).
@@ -87,6 +89,7 @@ __all__ = [
     "q4_0_moe_down",
     "q8_0_moe_down",
     "gelu_tanh",
+    "quant_matvec_gelu_mul",
     "KernelConfig",
     "kernel_specs",
 ]
@@ -667,7 +670,18 @@ class _KernelDef:
     text: dict  # {"metal": (header, source), "cuda": (header, source)}
 
 
-def _body(ggml_type: int, kind: str, in_place: bool = False, k_split: bool = False) -> str:
+# gelu_mul (dense Q4_0 / Q8_0, plain or split K): the output row is gelu_tanh(s) * mul[m, row] from
+# the f32 sum s and the input mul [M, N] (x.dtype), rounded once: E-series' per-layer-input gate,
+# whose product with the per-layer input is otherwise one more node of every layer's decode step.
+_GELU_MUL_STORES = (
+    ("out[(size_t)m * N + wrow[i]] = static_cast<T>(s);",
+     "out[(size_t)m * N + wrow[i]] = static_cast<T>(g4_gelu_tanh(s) * static_cast<float>(mul[(size_t)m * N + wrow[i]]));"),
+    ("out[(size_t)m * N + row0 + i] = static_cast<T>(s);",
+     "out[(size_t)m * N + row0 + i] = static_cast<T>(g4_gelu_tanh(s) * static_cast<float>(mul[(size_t)m * N + row0 + i]));"),
+)  # fmt: skip
+
+
+def _body(ggml_type: int, kind: str, in_place: bool = False, k_split: bool = False, gelu_mul: bool = False) -> str:
     setup = {"dense": _SETUP_DENSE, "gather": _SETUP_GATHER, "gate_up": _SETUP_GATE_UP}[kind]
     rows = _ROWS_GATE_UP if kind == "gate_up" else _ROWS_PLAIN
     mx_rows = "  constexpr int MX = M;\n" if kind == "dense" else "  constexpr int MX = 1;\n"
@@ -691,37 +705,45 @@ def _body(ggml_type: int, kind: str, in_place: bool = False, k_split: bool = Fal
         assert kind in ("dense", "gate_up") and ggml_type != Q6_K and _SPLIT_LOOP[0] in loop
         store = _STORE_DENSE_SPLIT if kind == "dense" else _STORE_GATE_UP_SPLIT
         setup, loop = setup.replace(*_SPLIT_ROW0), loop.replace(*_SPLIT_LOOP)
-    name = f"{_fmt(ggml_type).name}_{kind}" + ("_inplace" if in_place else "") + ("_ksplit" if k_split else "")
+    if gelu_mul:
+        assert kind == "dense" and ggml_type != Q6_K and not in_place
+        old, new = _GELU_MUL_STORES[1 if k_split else 0]
+        assert store.count(old) == 1
+        store = store.replace(old, new)
+    name = (f"{_fmt(ggml_type).name}_{kind}" + ("_gelu_mul" if gelu_mul else "") + ("_inplace" if in_place else "")
+            + ("_ksplit" if k_split else ""))  # fmt: skip
     return f"  // gemma4-mlx {name}: fused dequantize x matvec on raw GGUF blocks\n" + (
         setup + rows + mx_rows + loop + store
     )
 
 
-def _make_def(ggml_type: int, kind: str, in_place: bool = False, k_split: bool = False) -> _KernelDef:
+def _make_def(ggml_type: int, kind: str, in_place: bool = False, k_split: bool = False,
+              gelu_mul: bool = False) -> _KernelDef:  # fmt: skip
     fmt = _fmt(ggml_type)
     name = {
         "dense": f"g4_{fmt.name}_matvec",
         "gather": f"g4_{fmt.name}_matvec_gather",
         "gate_up": f"g4_{fmt.name}_gate_up_gather",
-    }[kind] + ("_inplace" if in_place else "") + ("_ksplit" if k_split else "")
-    inputs = ("x", "wq") if kind == "dense" else ("x", "ids", "wq")
+    }[kind] + ("_gelu_mul" if gelu_mul else "") + ("_inplace" if in_place else "") + ("_ksplit" if k_split else "")
+    inputs = (("x", "wq", "mul") if gelu_mul else ("x", "wq")) if kind == "dense" else ("x", "ids", "wq")
     tmpl = ["T"]
     tmpl += ["M"] if kind == "dense" else []
     tmpl += ["R", "NSG"]
     tmpl += [] if ggml_type == Q6_K else ["LPB"]
     tmpl += ["XPP"] if kind == "gather" else []
     tmpl += ["KS"] if k_split else []
-    body = _body(ggml_type, kind, in_place, k_split)
+    body = _body(ggml_type, kind, in_place, k_split, gelu_mul)
     return _KernelDef(name, kind, ggml_type, inputs, ("out",), tuple(tmpl), emit(body))
 
 
 _KERNEL_DEFS: dict[tuple, _KernelDef] = {}
 
 
-def _kernel_def(ggml_type: int, kind: str, in_place: bool = False, k_split: bool = False) -> _KernelDef:
-    key = (ggml_type, kind, in_place, k_split)
+def _kernel_def(ggml_type: int, kind: str, in_place: bool = False, k_split: bool = False,
+                gelu_mul: bool = False) -> _KernelDef:  # fmt: skip
+    key = (ggml_type, kind, in_place, k_split, gelu_mul)
     if key not in _KERNEL_DEFS:
-        _KERNEL_DEFS[key] = _make_def(ggml_type, kind, in_place, k_split)
+        _KERNEL_DEFS[key] = _make_def(ggml_type, kind, in_place, k_split, gelu_mul)
     return _KERNEL_DEFS[key]
 
 
@@ -892,6 +914,24 @@ def launch_dense(x2: mx.array, blocks: mx.array, ggml_type: int, n: int,
     plan = plan_launch(ggml_type, "dense", dtype_name(x2.dtype), m, n, k, config=config)
     kdef = _kernel_def(ggml_type, "dense", plan.in_place, plan.k_split)
     return _run(kdef, [x2, blocks], plan, x2.dtype, init_value, out_shape)
+
+
+def launch_dense_gelu_mul(x2: mx.array, blocks: mx.array, ggml_type: int, n: int, mul: mx.array,
+                          config: KernelConfig | None = None, init_value: float | None = None,
+                          out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+    """Run the dense kernel with the gelu_tanh(y) * mul epilogue (Q4_0 / Q8_0; no fallback; GPU
+    builds only): x2 [..., K] with M <= 8 rows, mul [..., N] of M * N elements in x2.dtype -> [M, N]
+    (or out_shape). The in-place decode variant has no such form: a geometry asking for it gets
+    the plain decode."""
+    m, k = math.prod(x2.shape[:-1]), x2.shape[-1]
+    if ggml_type not in (Q4_0, Q8_0):
+        raise ValueError(f"the gelu_mul kernels read Q4_0 or Q8_0 blocks, got GGML type {ggml_type}")
+    if mul.size != m * n or mul.dtype != x2.dtype:
+        raise ValueError(f"mul must hold {m} x {n} elements in {x2.dtype}, got {mul.shape} {mul.dtype}")
+    cfg = config or default_config(ggml_type, "dense", m, n, k)
+    plan = plan_launch(ggml_type, "dense", dtype_name(x2.dtype), m, n, k, config=dataclasses.replace(cfg, in_place=0))
+    kdef = _kernel_def(ggml_type, "dense", False, plan.k_split, gelu_mul=True)
+    return _run(kdef, [x2, blocks, mul], plan, x2.dtype, init_value, out_shape)
 
 
 def launch_gather(x: mx.array, ids: mx.array, blocks: mx.array, ggml_type: int, n: int,
@@ -2536,15 +2576,48 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     # every dense kernel reads K from x's last dimension and writes its rows flat: x goes in
     # unreshaped and the output comes out in the caller's shape (no reshape nodes)
     out_shape = (*lead, n)
-    if ggml_type == Q4_0 and m == 1 and _use_runs(x.dtype, x.shape[-1], "quant_matvec_runs") and dense_runs_wide(n, x.shape[-1]):
+    route = _dense_route(x, ggml_type, n)
+    if route == "runs":
         return launch_dense_runs(x, blocks, n, out_shape=out_shape)
-    if ggml_type == Q4_0 and m > 1 and _use_runs(x.dtype, x.shape[-1], "quant_matvec_runs_m"):
+    if route == "runs_m":
         return launch_dense_runs_m(x, blocks, n, out_shape=out_shape)
-    if ggml_type == Q4_0 and _use_stream(x.dtype, x.shape[-1], m):
+    if route == "stream":
         return launch_dense_stream(x, blocks, n, out_shape=out_shape)
-    if ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda" and _arch_at_least(MMA_ARCH):
+    if route == "mma":
         return launch_dense_mma(x, blocks, n, out_shape=out_shape)
     return launch_dense(x, blocks, ggml_type, n, out_shape=out_shape)
+
+
+def _dense_route(x: mx.array, ggml_type: int, n: int) -> str:
+    """The kernel quant_matvec launches for x [..., K] of 1..8 rows with kernels on: "runs",
+    "runs_m", "stream", "mma" (Q4_0 on CUDA) or "fma" (the f32-FMA dense kernel: every type, both
+    backends)."""
+    k, m = x.shape[-1], math.prod(x.shape[:-1])
+    if ggml_type == Q4_0 and m == 1 and _use_runs(x.dtype, k, "quant_matvec_runs") and dense_runs_wide(n, k):
+        return "runs"
+    if ggml_type == Q4_0 and m > 1 and _use_runs(x.dtype, k, "quant_matvec_runs_m"):
+        return "runs_m"
+    if ggml_type == Q4_0 and _use_stream(x.dtype, k, m):
+        return "stream"
+    if ggml_type == Q4_0 and m >= MMA_MIN_ROWS and x.dtype == mx.bfloat16 and backend() == "cuda" and _arch_at_least(MMA_ARCH):
+        return "mma"
+    return "fma"
+
+
+def quant_matvec_gelu_mul(x: mx.array, blocks: mx.array, ggml_type: int, n: int, mul: mx.array) -> mx.array:
+    """gelu_tanh(x @ W.T) * mul: x [..., K], raw GGUF blocks [N, ...], mul [..., N] in x.dtype ->
+    [..., N] in x.dtype. One launch (op family "matvec_gelu_mul", opt-in) where quant_matvec would
+    run the f32-FMA dense kernel on Q4_0 / Q8_0 blocks (E-series' per-layer-input gate at decode,
+    CUDA and Metal), the product in f32 and rounded once; else quant_matvec, then the product in
+    x.dtype."""
+    _check_dense(x, blocks, ggml_type, n)
+    lead = x.shape[:-1]
+    if tuple(mul.shape) != (*lead, n) or mul.dtype != x.dtype:
+        raise ValueError(f"mul must be {(*lead, n)} in {x.dtype} (x's lead dims and dtype), got {mul.shape} {mul.dtype}")
+    fused = ggml_type in (Q4_0, Q8_0) and 1 <= math.prod(lead) <= MAX_ROWS and use_kernel("quant_matvec")
+    if fused and use_kernel("matvec_gelu_mul") and _dense_route(x, ggml_type, n) == "fma":
+        return launch_dense_gelu_mul(x, blocks, ggml_type, n, mul, out_shape=(*lead, n))
+    return gelu_tanh(quant_matvec(x, blocks, ggml_type, n)) * mul
 
 
 def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: mx.array | None = None) -> mx.array:
@@ -2730,21 +2803,28 @@ def _tolerances(dtype_name: str, scale: float) -> tuple[float, float]:
     return rtol, 1e-5 * scale
 
 
-def _dense_case(rng, ggml_type, dtype_name, m, n, k, config):
+def _dense_case(rng, ggml_type, dtype_name, m, n, k, config, gelu_mul=False):
+    """A dense kernel's case; gelu_mul: its gelu_tanh(y) * mul form (mul [M, N], activation dtype)."""
     from .registry import KernelCase
 
     x, x64, in_dt = _activations(rng, (m, k), dtype_name)
     wq = random_blocks(rng, ggml_type, (n,), k)
     w64 = dequantize_f64(wq, ggml_type)
     expected = x64 @ w64.T
-    scale = float((np.abs(x64) @ np.abs(w64).T).max())
-    rtol, atol = _tolerances(dtype_name, scale)
+    mag = np.abs(x64) @ np.abs(w64).T
+    inputs = {"x": x, "wq": wq}
+    if gelu_mul:
+        inputs["mul"], mul64, mul_dt = _activations(rng, (m, n), dtype_name)
+        in_dt = {**in_dt, **{"mul": t for t in mul_dt.values()}}
+        mag = (np.abs(expected) + mag) * np.abs(mul64)
+        expected = _gelu_tanh_f64(expected) * mul64
+    rtol, atol = _tolerances(dtype_name, float(mag.max()))
     plan = plan_launch(ggml_type, "dense", dtype_name, m, n, k, config=config)
     return KernelCase(
-        inputs={"x": x, "wq": wq}, template=plan.template, grid=plan.grid,
+        inputs=inputs, template=plan.template, grid=plan.grid,
         threadgroup=plan.threadgroup, output_shapes=[plan.output_shape], output_dtypes=[dtype_name],
         expected=[expected], rtol=rtol, atol=atol, input_dtypes=in_dt,
-        label=f"{dtype_name} M={m} N={n} K={k} {config}",
+        label=f"{'gelu_mul ' if gelu_mul else ''}{dtype_name} M={m} N={n} K={k} {config}",
     )  # fmt: skip
 
 
@@ -2822,6 +2902,24 @@ def _variant_cases(ggml_type: int, in_place: bool, k_split: bool):
             _dense_case(rng, ggml_type, "float32", 5, 7, 800, c(3, 2, 4, 2)),
             _dense_case(rng, ggml_type, "bfloat16", 8, 9, 320, c(2, 2, 4, 2)),
             _dense_case(rng, ggml_type, "float32", 8, 11, 2080, c(5, 8, 2, 8)),
+        ]
+
+    return make
+
+
+def _gelu_mul_cases(ggml_type: int, k_split: bool):
+    """The dense kernel with the gelu_tanh(y) * mul epilogue, plain or split K: M = 1..8, odd N,
+    K tails, f32 and bf16, rows past N in a last row set."""
+
+    def make(rng: np.random.Generator):
+        def c(r, nsg, lpb, ks):
+            return KernelConfig(r, nsg, lpb, 0, ks if k_split else 1)
+
+        return [
+            _dense_case(rng, ggml_type, "bfloat16", 1, 21, 2560, c(2, 4, 2, 4), True),
+            _dense_case(rng, ggml_type, "float32", 1, 13, 1056, c(4, 2, 2, 2), True),
+            _dense_case(rng, ggml_type, "bfloat16", 5, 7, 800, c(3, 2, 4, 2), True),
+            _dense_case(rng, ggml_type, "float32", 8, 11, 320, c(2, 8, 4, 8), True),
         ]
 
     return make
@@ -3034,4 +3132,9 @@ def kernel_specs():
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
         specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs,
                                 _gate_up_split_cases(ggml_type)))  # fmt: skip
+        for k_split in (False, True):
+            kdef = _kernel_def(ggml_type, "dense", False, k_split, gelu_mul=True)
+            (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
+            specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs,
+                                    _gelu_mul_cases(ggml_type, k_split)))  # fmt: skip
     return specs

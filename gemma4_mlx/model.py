@@ -306,7 +306,12 @@ class DecoderLayer(nn.Module):
             m = self.mlp(x)
         if self.ple:
             h, _ = add_norm(h, m, self.post_feedforward_layernorm)
-            m = self.per_layer_projection(gelu_tanh(self.per_layer_input_gate(h)) * per_layer_input)
+            gate = self.per_layer_input_gate
+            if use_kernel("matvec_gelu_mul") and hasattr(gate, "gelu_mul") and per_layer_input.dtype == h.dtype:
+                g = gate.gelu_mul(h, per_layer_input)  # BlockLinear: one launch for both
+            else:
+                g = gelu_tanh(gate(h)) * per_layer_input
+            m = self.per_layer_projection(g)
             return add_norm(h, m, self.post_per_layer_input_norm, next_norm, self.layer_scalar)
         return add_norm(h, m, self.post_feedforward_layernorm, next_norm, self.layer_scalar)
 

@@ -103,6 +103,13 @@ class BlockLinear(nn.Module):
 
         return quant_matvec(x, self.blocks, self.ggml_type, self.out_dims)
 
+    def gelu_mul(self, x: mx.array, mul: mx.array) -> mx.array:
+        """gelu_tanh(self(x)) * mul, mul [..., out] in x.dtype: one launch where the op family
+        "matvec_gelu_mul" is on (custom_kernels.quant_matvec.quant_matvec_gelu_mul)."""
+        from custom_kernels.quant_matvec import quant_matvec_gelu_mul
+
+        return quant_matvec_gelu_mul(x, self.blocks, self.ggml_type, self.out_dims, mul)
+
 
 class BlockEmbedding(BlockLinear):
     """Token embedding [V, H] as raw blocks; `as_linear` is the tied head (Q8_0 / Q6_K in official files)."""

@@ -77,6 +77,33 @@ def test_dense_kernels(fmt, k, dtype):
             _check(qm.quant_matvec(x, blocks, ggml_type, n), x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, dtype, "dispatch")
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_dense_gelu_mul_kernels(fmt, dtype, monkeypatch):
+    """gelu_tanh(x W^T) * mul in one launch (family matvec_gelu_mul): the dispatch geometry (split K
+    on CUDA), a plain one and a split one, at E4B's per-layer-input gate shape (256 x 2560) and an
+    odd N, M = 1, 3, 8; poisoned outputs; the public op with the family on takes the kernel and is as
+    accurate."""
+    ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0}[fmt]
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "matvec_gelu_mul")
+    rng = np.random.default_rng(17)
+    for n, k in ((256, 2560), (37, 1056)):
+        raw = qm.random_blocks(rng, ggml_type, (n,), k)
+        w64 = qm.dequantize_f64(raw, ggml_type)
+        blocks = mx.array(raw)
+        for m in (1, 3, 8):
+            x, x64 = _acts(rng, (m, k), dtype)
+            mul, mul64 = _acts(rng, (m, n), dtype)
+            y = x64 @ w64.T
+            want = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y**3))) * mul64
+            bound = (np.abs(y) + np.abs(x64) @ np.abs(w64).T) * np.abs(mul64)
+            for cfg in (None, qm.KernelConfig(4, 2, 2), qm.KernelConfig(2, 4, 2, 0, 4)):
+                out = qm.launch_dense_gelu_mul(x, blocks, ggml_type, n, mul, cfg, init_value=NAN)
+                assert out.dtype == dtype and out.shape == (m, n)
+                _check(out, want, bound, dtype, f"{fmt} M={m} N={n} K={k} {cfg}")
+            _check(qm.quant_matvec_gelu_mul(x, blocks, ggml_type, n, mul), want, bound, dtype, "dispatch")
+
+
 @pytest.mark.parametrize("fmt,k", [("q4_0", 5376), ("q8_0", 1056), ("q6_k", 1280)])
 def test_dense_geometries(fmt, k):
     """Other launch geometries (rows per SIMD group, SIMD groups, lanes per block), f32, M = 1 and 7;

@@ -598,6 +598,11 @@ def test_registry_lists_every_kernel_with_consistent_cases():
                 ids = mx.array(case.inputs["ids"])
                 xg = xm.reshape(*ids.shape, -1) if x.shape[0] != ids.shape[0] else xm
                 ref = qm.matvec_gather_reference(xg, ids, wq, ggml_type, n)
+            elif "gelu_mul" in spec.name:  # the product in f32, rounded once, as the kernels do
+                mul = case.inputs["mul"]
+                mul = bf16_to_f32(mul) if case.input_dtypes.get("mul") == "bfloat16" else mul
+                y = qm.matvec_reference(xm.astype(mx.float32), wq, ggml_type, n)
+                ref = (qm.gelu_tanh(y) * mx.array(mul.astype(np.float32))).astype(xm.dtype)
             else:
                 ref = qm.matvec_reference(xm, wq, ggml_type, n)
             got = np.array(ref.astype(mx.float32)).reshape(case.output_shapes[0])
@@ -690,3 +695,45 @@ def test_gate_up_m1_geometry_override(monkeypatch):
     monkeypatch.setenv(qm.GATE_UP_M1_GEOMETRY_ENV, "warps=8,stages=8,group_blocks=64")
     with pytest.raises(ValueError, match="shared memory"):
         qm.default_stream_config("gate_up", 1, 21504, 5376)
+
+
+def test_matvec_gelu_mul_op_and_routing(monkeypatch):
+    """quant_matvec_gelu_mul: gelu_tanh(x W^T) * mul; bad mul shapes and dtypes are errors. On CUDA
+    (faked, launches stubbed) it is one launch only with its opt-in family on and where quant_matvec
+    would take the f32-FMA kernel (E4B's per-layer-input gate), not on a runs-kernel shape, Q6_K,
+    or more than 8 rows."""
+    rng = np.random.default_rng(5)
+    n, k = 7, 96
+    blocks = mx.array(qm.random_blocks(rng, qm.Q8_0, (n,), k))
+    x = mx.array(rng.standard_normal((2, k)).astype(np.float32))
+    mul = mx.array(rng.standard_normal((2, n)).astype(np.float32))
+    y = qm.matvec_reference(x, blocks, qm.Q8_0, n)
+    assert mx.allclose(qm.quant_matvec_gelu_mul(x, blocks, qm.Q8_0, n, mul), qm.gelu_tanh(y) * mul).item()
+    for bad in (mul[:1], mul.astype(mx.bfloat16), mx.zeros((2, n + 1))):
+        with pytest.raises(ValueError, match="mul must be"):
+            qm.quant_matvec_gelu_mul(x, blocks, qm.Q8_0, n, bad)
+    with pytest.raises(ValueError, match="Q4_0 or Q8_0"):
+        qm.launch_dense_gelu_mul(mx.zeros((1, 256)), mx.zeros((4, 210), mx.uint8), qm.Q6_K, 4, mx.zeros((1, 4)))
+    with pytest.raises(ValueError, match="elements"):
+        qm.launch_dense_gelu_mul(x, blocks, qm.Q8_0, n, mul[:1])
+
+    for env in (qm.RUNS_GEOMETRY_ENV, custom_kernels.KERNELS_ENV, custom_kernels.KERNELS_OFF_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(qm, "backend", lambda: "cuda")
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    routed = []
+    for name in ("launch_dense_gelu_mul", "launch_dense_runs", "launch_dense_runs_m", "launch_dense_stream",
+                 "launch_dense_mma", "launch_dense"):  # fmt: skip
+        monkeypatch.setattr(qm, name, lambda *a, _name=name, **kw: routed.append(_name) or mx.zeros(kw["out_shape"]))
+    cases = (((1, 1, 2560), 256, qm.Q4_0, True), ((1, 2560), 256, qm.Q8_0, True),  # E4B's gate
+             ((1, 5376), 21504, qm.Q4_0, False),  # a runs-kernel shape
+             ((9, 2560), 256, qm.Q4_0, False))  # more than 8 rows: the reference
+    for family in ("", "matvec_gelu_mul"):
+        monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, family)
+        for shape, n, ggml_type, fused in cases:
+            routed.clear()
+            xb = mx.zeros(shape, mx.bfloat16)
+            wb = mx.zeros((n, qm.row_bytes(ggml_type, shape[-1])), mx.uint8)
+            out = qm.quant_matvec_gelu_mul(xb, wb, ggml_type, n, mx.zeros((*shape[:-1], n), mx.bfloat16))
+            assert out.shape == (*shape[:-1], n)
+            assert (routed[:1] == ["launch_dense_gelu_mul"]) == (fused and bool(family)), (shape, n, family, routed)
