@@ -66,10 +66,8 @@ CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "qu
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
 FAMILIES = PROVEN | {"norm_moe", "router_proj", "matvec_gelu_mul"}
-"""Every op family the model can use: the PROVEN ones and the opt-in ones (UNPROVEN_ENV).
-"matvec_gelu_mul" (E-series' per-layer-input gate and its product with the per-layer input in one
-launch, quant_matvec.quant_matvec_gelu_mul; written in session 17, checked by the Metal emulator
-and nvcc, not yet run on a GPU)."""
+"""Every op family the model can use: the PROVEN ones and the opt-in ones (UNPROVEN_ENV;
+"matvec_gelu_mul": quant_matvec.quant_matvec_gelu_mul, not yet run on a GPU)."""
 
 _kernel_cache: dict[tuple, Callable] = {}
 

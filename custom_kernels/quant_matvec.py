@@ -184,8 +184,9 @@ def dequantize(blocks: mx.array, ggml_type: int, k: int) -> mx.array:
 
 
 def gelu_tanh(v: mx.array) -> mx.array:
-    """0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3))), Gemma's GeGLU activation."""
-    return 0.5 * v * (1.0 + mx.tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)))
+    """0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3))), Gemma's GeGLU activation (gelu_pytorch_tanh),
+    in v's dtype: the model's only definition, so every path rounds the same way."""
+    return 0.5 * v * (1.0 + mx.tanh(0.7978845608028654 * (v + 0.044715 * (v * v * v))))
 
 
 def _infer_k(blocks: mx.array, ggml_type: int) -> int:
@@ -673,12 +674,12 @@ class _KernelDef:
 # gelu_mul (dense Q4_0 / Q8_0, plain or split K): the output row is gelu_tanh(s) * mul[m, row] from
 # the f32 sum s and the input mul [M, N] (x.dtype), rounded once: E-series' per-layer-input gate,
 # whose product with the per-layer input is otherwise one more node of every layer's decode step.
-_GELU_MUL_STORES = (
-    ("out[(size_t)m * N + wrow[i]] = static_cast<T>(s);",
-     "out[(size_t)m * N + wrow[i]] = static_cast<T>(g4_gelu_tanh(s) * static_cast<float>(mul[(size_t)m * N + wrow[i]]));"),
-    ("out[(size_t)m * N + row0 + i] = static_cast<T>(s);",
-     "out[(size_t)m * N + row0 + i] = static_cast<T>(g4_gelu_tanh(s) * static_cast<float>(mul[(size_t)m * N + row0 + i]));"),
-)  # fmt: skip
+_GELU_MUL_STORE = {  # k_split -> (the dense store's write, its gelu_mul form)
+    False: ("out[(size_t)m * N + wrow[i]] = static_cast<T>(s);",
+            "out[(size_t)m * N + wrow[i]] = static_cast<T>(g4_gelu_tanh(s) * static_cast<float>(mul[(size_t)m * N + wrow[i]]));"),
+    True: ("out[(size_t)m * N + row0 + i] = static_cast<T>(s);",
+           "out[(size_t)m * N + row0 + i] = static_cast<T>(g4_gelu_tanh(s) * static_cast<float>(mul[(size_t)m * N + row0 + i]));"),
+}  # fmt: skip
 
 
 def _body(ggml_type: int, kind: str, in_place: bool = False, k_split: bool = False, gelu_mul: bool = False) -> str:
@@ -707,7 +708,7 @@ def _body(ggml_type: int, kind: str, in_place: bool = False, k_split: bool = Fal
         setup, loop = setup.replace(*_SPLIT_ROW0), loop.replace(*_SPLIT_LOOP)
     if gelu_mul:
         assert kind == "dense" and ggml_type != Q6_K and not in_place
-        old, new = _GELU_MUL_STORES[1 if k_split else 0]
+        old, new = _GELU_MUL_STORE[k_split]
         assert store.count(old) == 1
         store = store.replace(old, new)
     name = (f"{_fmt(ggml_type).name}_{kind}" + ("_gelu_mul" if gelu_mul else "") + ("_inplace" if in_place else "")
@@ -1732,9 +1733,8 @@ _RUNS_BODY_CUDA = r"""
 # the weights are the A operand instead. Lane (g, t) holds rows g and g + 8 of a 16-row set (gate|up:
 # gate row g and up row g of 8 outputs) and reads the same run of 4 blocks (72 bytes) of both; its A
 # pairs are the same bf16x2 nibble pairs as above, written straight into the quads that mma.sync
-# reads, and x is B: lane (t, t) loads x of lane t's run (read-only path, predicated; until session 17
-# the other lanes read zeros from shared memory through the same generic load, 1-4% slower), every
-# other lane holds zeros, so D[m][n] is row m's block of the run of lanes t = n. Per mma 16 x 16 weights
+# reads, and x is B: lane (t, t) loads x of lane t's run (read-only path, predicated), every other
+# lane holds zeros, so D[m][n] is row m's block of the run of lanes t = n. Per mma 16 x 16 weights
 # (twice the 8 x 16 above) and no register copies of x. Each lane alternates between the even and
 # the odd run of a pair (16-byte loads, then an 8-byte one, or the other way round: one layout per
 # phase, the same for every lane). Same K and alignment rules as the 8-row form. SASS: 2.0
@@ -2569,14 +2569,12 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     Custom kernel on Metal/CUDA when the flattened row count is 1..8, else the reference.
     """
     _check_dense(x, blocks, ggml_type, n)
-    lead = x.shape[:-1]
-    m = math.prod(lead)
-    if not use_kernel("quant_matvec") or not 1 <= m <= MAX_ROWS:
+    route = _dense_route(x, ggml_type, n)
+    if route == "reference":
         return matvec_reference(x, blocks, ggml_type, n)
     # every dense kernel reads K from x's last dimension and writes its rows flat: x goes in
     # unreshaped and the output comes out in the caller's shape (no reshape nodes)
-    out_shape = (*lead, n)
-    route = _dense_route(x, ggml_type, n)
+    out_shape = (*x.shape[:-1], n)
     if route == "runs":
         return launch_dense_runs(x, blocks, n, out_shape=out_shape)
     if route == "runs_m":
@@ -2589,10 +2587,12 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
 
 
 def _dense_route(x: mx.array, ggml_type: int, n: int) -> str:
-    """The kernel quant_matvec launches for x [..., K] of 1..8 rows with kernels on: "runs",
+    """What quant_matvec runs for x [..., K]: "reference" (kernels off, or not 1..8 rows), "runs",
     "runs_m", "stream", "mma" (Q4_0 on CUDA) or "fma" (the f32-FMA dense kernel: every type, both
     backends)."""
     k, m = x.shape[-1], math.prod(x.shape[:-1])
+    if not use_kernel("quant_matvec") or not 1 <= m <= MAX_ROWS:
+        return "reference"
     if ggml_type == Q4_0 and m == 1 and _use_runs(x.dtype, k, "quant_matvec_runs") and dense_runs_wide(n, k):
         return "runs"
     if ggml_type == Q4_0 and m > 1 and _use_runs(x.dtype, k, "quant_matvec_runs_m"):
@@ -2607,15 +2607,14 @@ def _dense_route(x: mx.array, ggml_type: int, n: int) -> str:
 def quant_matvec_gelu_mul(x: mx.array, blocks: mx.array, ggml_type: int, n: int, mul: mx.array) -> mx.array:
     """gelu_tanh(x @ W.T) * mul: x [..., K], raw GGUF blocks [N, ...], mul [..., N] in x.dtype ->
     [..., N] in x.dtype. One launch (op family "matvec_gelu_mul", opt-in) where quant_matvec would
-    run the f32-FMA dense kernel on Q4_0 / Q8_0 blocks (E-series' per-layer-input gate at decode,
-    CUDA and Metal), the product in f32 and rounded once; else quant_matvec, then the product in
-    x.dtype."""
+    run the f32-FMA dense kernel on Q4_0 / Q8_0 blocks (E4B's per-layer-input gate: one token on
+    CUDA, 1..8 on Metal), the product in f32 and rounded once (not bit-identical to the two-node
+    form, which rounds y and each step of gelu to x.dtype); else quant_matvec, then the product."""
     _check_dense(x, blocks, ggml_type, n)
     lead = x.shape[:-1]
     if tuple(mul.shape) != (*lead, n) or mul.dtype != x.dtype:
         raise ValueError(f"mul must be {(*lead, n)} in {x.dtype} (x's lead dims and dtype), got {mul.shape} {mul.dtype}")
-    fused = ggml_type in (Q4_0, Q8_0) and 1 <= math.prod(lead) <= MAX_ROWS and use_kernel("quant_matvec")
-    if fused and use_kernel("matvec_gelu_mul") and _dense_route(x, ggml_type, n) == "fma":
+    if ggml_type in (Q4_0, Q8_0) and use_kernel("matvec_gelu_mul") and _dense_route(x, ggml_type, n) == "fma":
         return launch_dense_gelu_mul(x, blocks, ggml_type, n, mul, out_shape=(*lead, n))
     return gelu_tanh(quant_matvec(x, blocks, ggml_type, n)) * mul
 
@@ -2810,15 +2809,15 @@ def _dense_case(rng, ggml_type, dtype_name, m, n, k, config, gelu_mul=False):
     x, x64, in_dt = _activations(rng, (m, k), dtype_name)
     wq = random_blocks(rng, ggml_type, (n,), k)
     w64 = dequantize_f64(wq, ggml_type)
-    expected = x64 @ w64.T
-    mag = np.abs(x64) @ np.abs(w64).T
-    inputs = {"x": x, "wq": wq}
+    y = x64 @ w64.T
+    y_mag = np.abs(x64) @ np.abs(w64).T  # bounds the f32 accumulation error of y
+    inputs, expected, scale = {"x": x, "wq": wq}, y, y_mag
     if gelu_mul:
         inputs["mul"], mul64, mul_dt = _activations(rng, (m, n), dtype_name)
-        in_dt = {**in_dt, **{"mul": t for t in mul_dt.values()}}
-        mag = (np.abs(expected) + mag) * np.abs(mul64)
-        expected = _gelu_tanh_f64(expected) * mul64
-    rtol, atol = _tolerances(dtype_name, float(mag.max()))
+        if mul_dt:
+            in_dt = {**in_dt, "mul": mul_dt["x"]}
+        expected, scale = _gelu_tanh_f64(y) * mul64, (np.abs(y) + y_mag) * np.abs(mul64)
+    rtol, atol = _tolerances(dtype_name, float(scale.max()))
     plan = plan_launch(ggml_type, "dense", dtype_name, m, n, k, config=config)
     return KernelCase(
         inputs=inputs, template=plan.template, grid=plan.grid,

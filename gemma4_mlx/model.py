@@ -16,17 +16,13 @@ import mlx.nn as nn
 from custom_kernels import use_kernel
 from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention
 from custom_kernels.norm import residual_norm, residual_norm_moe, residual_norm_reference
+from custom_kernels.quant_matvec import gelu_tanh
 from custom_kernels.rope import inverse_frequencies, norm_rope
 from custom_kernels.router import route, router_logits
 
 from . import cpu_matvec
 from .cache import StaticKVCache, StaticRotatingKVCache
 from .config import LayerSpec, ModelConfig
-
-
-def gelu_tanh(x: mx.array) -> mx.array:
-    """gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    return 0.5 * x * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * (x * x * x))))
 
 
 class RMSNorm(nn.Module):

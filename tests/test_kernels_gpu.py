@@ -82,8 +82,8 @@ def test_dense_kernels(fmt, k, dtype):
 def test_dense_gelu_mul_kernels(fmt, dtype, monkeypatch):
     """gelu_tanh(x W^T) * mul in one launch (family matvec_gelu_mul): the dispatch geometry (split K
     on CUDA), a plain one and a split one, at E4B's per-layer-input gate shape (256 x 2560) and an
-    odd N, M = 1, 3, 8; poisoned outputs; the public op with the family on takes the kernel and is as
-    accurate."""
+    odd N, M = 1, 3, 8; poisoned outputs; the public op with the family on is as accurate, and takes
+    the kernel exactly where quant_matvec's route is the f32-FMA kernel (one Q4_0 token on CUDA)."""
     ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0}[fmt]
     monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "matvec_gelu_mul")
     rng = np.random.default_rng(17)
@@ -101,7 +101,12 @@ def test_dense_gelu_mul_kernels(fmt, dtype, monkeypatch):
                 out = qm.launch_dense_gelu_mul(x, blocks, ggml_type, n, mul, cfg, init_value=NAN)
                 assert out.dtype == dtype and out.shape == (m, n)
                 _check(out, want, bound, dtype, f"{fmt} M={m} N={n} K={k} {cfg}")
+            launched = []
+            launch = qm.launch_dense_gelu_mul
+            monkeypatch.setattr(qm, "launch_dense_gelu_mul", lambda *a, **kw: launched.append(1) or launch(*a, **kw))
             _check(qm.quant_matvec_gelu_mul(x, blocks, ggml_type, n, mul), want, bound, dtype, "dispatch")
+            assert bool(launched) == (qm._dense_route(x, ggml_type, n) == "fma"), (fmt, m, n, dtype)
+            monkeypatch.setattr(qm, "launch_dense_gelu_mul", launch)
 
 
 @pytest.mark.parametrize("fmt,k", [("q4_0", 5376), ("q8_0", 1056), ("q6_k", 1280)])

@@ -698,17 +698,21 @@ def test_gate_up_m1_geometry_override(monkeypatch):
 
 
 def test_matvec_gelu_mul_op_and_routing(monkeypatch):
-    """quant_matvec_gelu_mul: gelu_tanh(x W^T) * mul; bad mul shapes and dtypes are errors. On CUDA
-    (faked, launches stubbed) it is one launch only with its opt-in family on and where quant_matvec
-    would take the f32-FMA kernel (E4B's per-layer-input gate), not on a runs-kernel shape, Q6_K,
-    or more than 8 rows."""
+    """quant_matvec_gelu_mul: gelu_tanh(x W^T) * mul (checked against float64 numpy); bad mul shapes
+    and dtypes are errors. On CUDA and Metal (faked, launches stubbed) it is one launch only with its
+    opt-in family on and where quant_matvec would take the f32-FMA kernel: E4B's per-layer-input gate
+    at one token (Q4_0) or 1..8 (Q8_0; Metal: both), not on a runs-kernel shape, 2..8 Q4_0 tokens on
+    CUDA (runs16m), or more than 8 rows."""
     rng = np.random.default_rng(5)
     n, k = 7, 96
-    blocks = mx.array(qm.random_blocks(rng, qm.Q8_0, (n,), k))
-    x = mx.array(rng.standard_normal((2, k)).astype(np.float32))
-    mul = mx.array(rng.standard_normal((2, n)).astype(np.float32))
-    y = qm.matvec_reference(x, blocks, qm.Q8_0, n)
-    assert mx.allclose(qm.quant_matvec_gelu_mul(x, blocks, qm.Q8_0, n, mul), qm.gelu_tanh(y) * mul).item()
+    raw = qm.random_blocks(rng, qm.Q8_0, (n,), k)
+    blocks = mx.array(raw)
+    x64, mul64 = rng.standard_normal((2, k)), rng.standard_normal((2, n))
+    x, mul = mx.array(x64.astype(np.float32)), mx.array(mul64.astype(np.float32))
+    y = x64.astype(np.float32).astype(np.float64) @ qm.dequantize_f64(raw, qm.Q8_0).T
+    want = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y**3))) * mul64.astype(np.float32)
+    got = np.array(qm.quant_matvec_gelu_mul(x, blocks, qm.Q8_0, n, mul))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     for bad in (mul[:1], mul.astype(mx.bfloat16), mx.zeros((2, n + 1))):
         with pytest.raises(ValueError, match="mul must be"):
             qm.quant_matvec_gelu_mul(x, blocks, qm.Q8_0, n, bad)
@@ -717,23 +721,28 @@ def test_matvec_gelu_mul_op_and_routing(monkeypatch):
     with pytest.raises(ValueError, match="elements"):
         qm.launch_dense_gelu_mul(x, blocks, qm.Q8_0, n, mul[:1])
 
-    for env in (qm.RUNS_GEOMETRY_ENV, custom_kernels.KERNELS_ENV, custom_kernels.KERNELS_OFF_ENV):
+    for env in (qm.RUNS_GEOMETRY_ENV, qm.RUNS_M_GEOMETRY_ENV, custom_kernels.KERNELS_ENV, custom_kernels.KERNELS_OFF_ENV):
         monkeypatch.delenv(env, raising=False)
-    monkeypatch.setattr(qm, "backend", lambda: "cuda")
-    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
     routed = []
     for name in ("launch_dense_gelu_mul", "launch_dense_runs", "launch_dense_runs_m", "launch_dense_stream",
                  "launch_dense_mma", "launch_dense"):  # fmt: skip
         monkeypatch.setattr(qm, name, lambda *a, _name=name, **kw: routed.append(_name) or mx.zeros(kw["out_shape"]))
-    cases = (((1, 1, 2560), 256, qm.Q4_0, True), ((1, 2560), 256, qm.Q8_0, True),  # E4B's gate
-             ((1, 5376), 21504, qm.Q4_0, False),  # a runs-kernel shape
-             ((9, 2560), 256, qm.Q4_0, False))  # more than 8 rows: the reference
-    for family in ("", "matvec_gelu_mul"):
-        monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, family)
-        for shape, n, ggml_type, fused in cases:
-            routed.clear()
-            xb = mx.zeros(shape, mx.bfloat16)
-            wb = mx.zeros((n, qm.row_bytes(ggml_type, shape[-1])), mx.uint8)
-            out = qm.quant_matvec_gelu_mul(xb, wb, ggml_type, n, mx.zeros((*shape[:-1], n), mx.bfloat16))
-            assert out.shape == (*shape[:-1], n)
-            assert (routed[:1] == ["launch_dense_gelu_mul"]) == (fused and bool(family)), (shape, n, family, routed)
+    # (x shape, N, type) -> fused on (CUDA, Metal)
+    cases = {((1, 1, 2560), 256, qm.Q4_0): (True, True), ((1, 2560), 256, qm.Q8_0): (True, True),  # E4B's gate
+             ((3, 2560), 256, qm.Q4_0): (False, True),  # 2..8 Q4_0 tokens: runs16m on CUDA
+             ((8, 2560), 256, qm.Q8_0): (True, True),
+             ((1, 5376), 21504, qm.Q4_0): (False, True),  # a runs-kernel shape on CUDA
+             ((9, 2560), 256, qm.Q4_0): (False, False)}  # more than 8 rows: the reference  # fmt: skip
+    for which in ("cuda", "metal"):
+        monkeypatch.setattr(qm, "backend", lambda which=which: which)
+        monkeypatch.setattr(custom_kernels, "backend", lambda which=which: which)
+        for family in ("", "matvec_gelu_mul"):
+            monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, family)
+            for (shape, n, ggml_type), fused in cases.items():
+                routed.clear()
+                xb = mx.zeros(shape, mx.bfloat16)
+                wb = mx.zeros((n, qm.row_bytes(ggml_type, shape[-1])), mx.uint8)
+                out = qm.quant_matvec_gelu_mul(xb, wb, ggml_type, n, mx.zeros((*shape[:-1], n), mx.bfloat16))
+                assert out.shape == (*shape[:-1], n)
+                want = fused[which == "metal"] and bool(family)
+                assert (routed[:1] == ["launch_dense_gelu_mul"]) == want, (which, shape, n, family, routed)

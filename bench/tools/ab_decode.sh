@@ -14,6 +14,8 @@ set -u
 out=$1 rounds=$2 models=$3 contexts=$4
 shift 4
 root="$(cd "$(dirname "$0")/../.." && pwd)"
+py=${PYTHON:-python3}
+case $py in /*) ;; */*) py="$PWD/$py" ;; esac  # a relative path survives the cd into a tree
 mkdir -p "$out"
 for r in $(seq 1 "$rounds"); do
   for setting in "$@"; do
@@ -21,7 +23,7 @@ for r in $(seq 1 "$rounds"); do
     label=${head%%@*} tree=$root
     [ "$head" != "$label" ] && tree="$(cd "$root/${head#*@}" && pwd)"
     (cd "$tree" && env PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$tree" $env_text timeout "${AB_TIMEOUT:-150}" \
-      "${PYTHON:-python3}" bench/decode.py --models "$models" --contexts "$contexts" --rounds 3 --no-mlx-lm \
+      "$py" bench/decode.py --models "$models" --contexts "$contexts" --rounds 3 --no-mlx-lm \
       --breakdown-contexts "" ${AB_ARGS:-} --out "$out/ab-$label-$r.json" > "$out/ab-$label-$r.txt" 2>&1)
     echo "$label round $r (rc $?):"
     grep -E "^\| [0-9A-Za-z-]+ \| [0-9]+ \| [0-9.]+ " "$out/ab-$label-$r.txt" | grep -v "decode at" || tail -3 "$out/ab-$label-$r.txt"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck over the kernel-level GPU tests, on a CUDA machine with MLX's CUDA wheel.
 #   bash bench/tools/memcheck.sh [seconds per test file, default 240] [test files or node ids ...] > memcheck.txt
+# (PYTHON: the interpreter, default python3)
 # First a planted out-of-bounds kernel, which memcheck must report; then each kernel test file in its
 # own process (no pytest-xdist, so every kernel runs in the process the tool instruments).
 # Limit: MLX's CUDA allocator rounds buffers up (powers of two below 16 KiB, whole 16 KiB pages
