@@ -21,6 +21,7 @@ import gemma4_mlx  # noqa: F401,I001  first: the BLAS preload must come before m
 
 import argparse
 import collections
+import datetime
 import json
 import os
 import re
@@ -33,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode  # noqa: E402  (bench/decode.py)
+from hardware import commit, hardware_info, sources_digest  # noqa: E402
 from step_settings import model_config  # noqa: E402
 
 import custom_kernels  # noqa: E402
@@ -162,8 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compiled", action="store_true", help="the compiled step and its replay time (see above)")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = ap.parse_args(argv)
+    # where and with what it ran, taken before pretend_cuda() makes the backend answer "cuda"
+    header = dict(bench="graph_count", date=datetime.datetime.now().isoformat(timespec="seconds"), commit=commit(),
+                  sources=sources_digest(), hardware=hardware_info(), versions=dict(mlx=mx.__version__),
+                  env={k: v for k, v in os.environ.items() if k.startswith("GEMMA4_MLX_")})  # fmt: skip
     if args.compiled:
-        doc = dict(model=args.model, **compiled_counts(model_config(args.model, args.layers), args.context))
+        doc = dict(**header, model=args.model, **compiled_counts(model_config(args.model, args.layers), args.context))
         print(f"{args.model}, {doc['layers']} layers: {doc['compiled_total']} primitives in the compiled step "
               f"({doc['per_layer']:.1f} per layer), replay {doc['replay_us']:.0f} us here")
         for name, n in doc["compiled"].items():
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out, "w") as fh:
                 json.dump(doc, fh, indent=1)
         return 0
-    doc = dict(model=args.model, fused=not args.unfused,
+    doc = dict(**header, model=args.model, fused=not args.unfused,
                **step_counts(model_config(args.model, args.layers), args.context, not args.unfused))
     layers, body = doc["layers"], doc["body"]
     print(f"{args.model}, {layers} layers: {doc['body_total']} primitives in the body "

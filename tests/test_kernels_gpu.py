@@ -86,6 +86,8 @@ def test_dense_gelu_mul_kernels(fmt, dtype, monkeypatch):
     the kernel exactly where quant_matvec's route is the f32-FMA kernel (one Q4_0 token on CUDA)."""
     ggml_type = {"q4_0": qm.Q4_0, "q8_0": qm.Q8_0}[fmt]
     monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "matvec_gelu_mul")
+    launch, launched = qm.launch_dense_gelu_mul, []
+    monkeypatch.setattr(qm, "launch_dense_gelu_mul", lambda *a, **kw: launched.append(1) or launch(*a, **kw))
     rng = np.random.default_rng(17)
     for n, k in ((256, 2560), (37, 1056)):
         raw = qm.random_blocks(rng, ggml_type, (n,), k)
@@ -98,15 +100,12 @@ def test_dense_gelu_mul_kernels(fmt, dtype, monkeypatch):
             want = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y**3))) * mul64
             bound = (np.abs(y) + np.abs(x64) @ np.abs(w64).T) * np.abs(mul64)
             for cfg in (None, qm.KernelConfig(4, 2, 2), qm.KernelConfig(2, 4, 2, 0, 4)):
-                out = qm.launch_dense_gelu_mul(x, blocks, ggml_type, n, mul, cfg, init_value=NAN)
+                out = launch(x, blocks, ggml_type, n, mul, cfg, init_value=NAN)
                 assert out.dtype == dtype and out.shape == (m, n)
                 _check(out, want, bound, dtype, f"{fmt} M={m} N={n} K={k} {cfg}")
-            launched = []
-            launch = qm.launch_dense_gelu_mul
-            monkeypatch.setattr(qm, "launch_dense_gelu_mul", lambda *a, **kw: launched.append(1) or launch(*a, **kw))
+            launched.clear()
             _check(qm.quant_matvec_gelu_mul(x, blocks, ggml_type, n, mul), want, bound, dtype, "dispatch")
             assert bool(launched) == (qm._dense_route(x, ggml_type, n) == "fma"), (fmt, m, n, dtype)
-            monkeypatch.setattr(qm, "launch_dense_gelu_mul", launch)
 
 
 @pytest.mark.parametrize("fmt,k", [("q4_0", 5376), ("q8_0", 1056), ("q6_k", 1280)])
