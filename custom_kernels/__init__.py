@@ -40,7 +40,8 @@ because they have not passed ``pytest -m gpu`` on real hardware yet or showed no
 (``norm_moe``, ``router_proj``; on Metal also the CUDA_ONLY ones)."""
 
 PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split",
-                    "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m"})  # fmt: skip
+                    "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
+                    "matvec_gelu_mul"})  # fmt: skip
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
@@ -59,15 +60,18 @@ Q4_0 dense rows through the runs kernel where its grid is wide, quant_matvec.den
 staged bulk-copy form (31B q|k|v / o_proj / down 31 / 15 / 32 us against 33 / 16 / 37);
 "quant_matvec_runs_m" (2..8 bf16 tokens with Q4_0 rows, dense and gate|up, through the runs16m
 kernels, CUDA only) passed its operator tests and memcheck in session 16 and took the 31B FFN gate
-at M = 8 from 39.1 to 26.3 us and the fused gate|up from 123 to 51.5 us. The exact texts
+at M = 8 from 39.1 to 26.3 us and the fused gate|up from 123 to 51.5 us; "matvec_gelu_mul" (an
+E-series layer's per-layer-input gate and its gelu * input in one launch of the f32-FMA kernel)
+passed its operator and model tests in session 18 (E4B at 4K 221.6 / 227.5 tok/s against 213.9 /
+226.4 in alternated processes: one launch fewer per layer, a gain inside the run-to-run spread). The exact texts
 that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
-CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m"})
+CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
+                       "matvec_gelu_mul"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-FAMILIES = PROVEN | {"norm_moe", "router_proj", "matvec_gelu_mul"}
-"""Every op family the model can use: the PROVEN ones and the opt-in ones (UNPROVEN_ENV;
-"matvec_gelu_mul": quant_matvec.quant_matvec_gelu_mul, not yet run on a GPU)."""
+FAMILIES = PROVEN | {"norm_moe", "router_proj"}
+"""Every op family the model can use: the PROVEN ones and the opt-in ones (UNPROVEN_ENV)."""
 
 _kernel_cache: dict[tuple, Callable] = {}
 

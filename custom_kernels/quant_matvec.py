@@ -25,7 +25,7 @@ Ops (activations bf16, f32 or f16; output dtype = activation dtype; f32 accumula
   [2F, ...] matrix -> gelu_tanh(gate) * up [..., F] (one row: the gate/up kernel with one expert,
   split K on CUDA; 2..8 rows: the dense kernel, then the product).
 - ``quant_matvec_gelu_mul(x, blocks, ggml_type, n, mul)``: gelu_tanh(x @ W.T) * mul, mul [..., N]
-  (E-series' per-layer-input gate; one launch with the opt-in family "matvec_gelu_mul").
+  (E-series' per-layer-input gate; one launch with family "matvec_gelu_mul", a CUDA default).
 - ``q4_0_moe_down(x, ids, weights, blocks, n)``, ``q8_0_moe_down``: MoE down projection and the
   router-weighted sum over the k slots: x [..., k, K], ids/weights [..., k] -> [..., N] (Q4_0: one
   launch on CUDA).
@@ -2606,7 +2606,7 @@ def _dense_route(x: mx.array, ggml_type: int, n: int) -> str:
 
 def quant_matvec_gelu_mul(x: mx.array, blocks: mx.array, ggml_type: int, n: int, mul: mx.array) -> mx.array:
     """gelu_tanh(x @ W.T) * mul: x [..., K], raw GGUF blocks [N, ...], mul [..., N] in x.dtype ->
-    [..., N] in x.dtype. One launch (op family "matvec_gelu_mul", opt-in) where quant_matvec would
+    [..., N] in x.dtype. One launch (op family "matvec_gelu_mul", on by default on CUDA) where quant_matvec would
     run the f32-FMA dense kernel on Q4_0 / Q8_0 blocks (E4B's per-layer-input gate: one token on
     CUDA, 1..8 on Metal), the product in f32 and rounded once (not bit-identical to the two-node
     form, which rounds y and each step of gelu to x.dtype); else quant_matvec, then the product."""

@@ -94,15 +94,16 @@ def test_norm_moe_cuts_a_moe_layers_norms(graph_count, monkeypatch):
 
 
 def test_matvec_gelu_mul_folds_the_per_layer_input_product(graph_count, monkeypatch):
-    """With family "matvec_gelu_mul" an E-series layer's per-layer-input gate and its gelu * input
-    product are one kernel: the same kernels per layer, and the product's MLX nodes gone."""
+    """With family "matvec_gelu_mul" (a CUDA default) an E-series layer's per-layer-input gate and its
+    gelu * input product are one kernel: the same kernels per layer, and the product's MLX nodes gone."""
     import decode
 
     import custom_kernels
 
     cfg = decode._tiny(**_KERNEL_SHAPES, hidden_size_per_layer_input=64, vocab_size_per_layer_input=2048)
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "matvec_gelu_mul")
     base = graph_count.step_counts(cfg, 40)["body"]
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "matvec_gelu_mul")
+    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV)
     fused = graph_count.step_counts(cfg, 40)["body"]
     assert fused["CustomKernel"] == base["CustomKernel"]
     assert sum(base.values()) - sum(fused.values()) >= 2 * cfg.num_hidden_layers  # multiplies, tanh, adds

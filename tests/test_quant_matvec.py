@@ -700,7 +700,8 @@ def test_gate_up_m1_geometry_override(monkeypatch):
 def test_matvec_gelu_mul_op_and_routing(monkeypatch):
     """quant_matvec_gelu_mul: gelu_tanh(x W^T) * mul (checked against float64 numpy); bad mul shapes
     and dtypes are errors. On CUDA and Metal (faked, launches stubbed) it is one launch only with its
-    opt-in family on and where quant_matvec would take the f32-FMA kernel: E4B's per-layer-input gate
+    family on (a CUDA default, opt-in on Metal, off when named in KERNELS_OFF) and where quant_matvec
+    would take the f32-FMA kernel: E4B's per-layer-input gate
     at one token (Q4_0) or 1..8 (Q8_0; Metal: both), not on a runs-kernel shape, 2..8 Q4_0 tokens on
     CUDA (runs16m), or more than 8 rows."""
     rng = np.random.default_rng(5)
@@ -736,13 +737,15 @@ def test_matvec_gelu_mul_op_and_routing(monkeypatch):
     for which in ("cuda", "metal"):
         monkeypatch.setattr(qm, "backend", lambda which=which: which)
         monkeypatch.setattr(custom_kernels, "backend", lambda which=which: which)
-        for family in ("", "matvec_gelu_mul"):
-            monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, family)
+        for setting in ("off", "default", "opted in"):  # a CUDA default since session 18, opt-in on Metal
+            monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "matvec_gelu_mul" if setting == "off" else "")
+            monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "matvec_gelu_mul" if setting == "opted in" else "")
+            family_on = setting == "opted in" or (setting == "default" and which == "cuda")
             for (shape, n, ggml_type), fused in cases.items():
                 routed.clear()
                 xb = mx.zeros(shape, mx.bfloat16)
                 wb = mx.zeros((n, qm.row_bytes(ggml_type, shape[-1])), mx.uint8)
                 out = qm.quant_matvec_gelu_mul(xb, wb, ggml_type, n, mx.zeros((*shape[:-1], n), mx.bfloat16))
                 assert out.shape == (*shape[:-1], n)
-                want = fused[which == "metal"] and bool(family)
-                assert (routed[:1] == ["launch_dense_gelu_mul"]) == want, (which, shape, n, family, routed)
+                want = fused[which == "metal"] and family_on
+                assert (routed[:1] == ["launch_dense_gelu_mul"]) == want, (which, shape, n, setting, routed)
