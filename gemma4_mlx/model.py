@@ -16,7 +16,6 @@ import mlx.nn as nn
 from custom_kernels import use_kernel
 from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention
 from custom_kernels.norm import residual_norm, residual_norm_moe, residual_norm_reference
-from custom_kernels.prefetch import l2_prefetch
 from custom_kernels.quant_matvec import gelu_tanh
 from custom_kernels.rope import inverse_frequencies, norm_rope
 from custom_kernels.router import route, router_logits
@@ -172,9 +171,6 @@ class Attention(nn.Module):
         T = x.shape[1]
         s = self.spec
         q, k, v = self.heads(x, offset, q_pos)
-        # opt-in: o_proj's weights start loading into L2 now, while the cache write and attention run
-        blocks = getattr(self.o_proj, "blocks", None)
-        prefetch = l2_prefetch(blocks, q) if blocks is not None and T == 1 and use_kernel("l2_prefetch") else None
         n_slots = None
         if s.kv_shared:
             keys, values, positions, n_slots = shared_kv[s.type]
@@ -193,8 +189,6 @@ class Attention(nn.Module):
         else:
             out = _merge_heads(mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0,
                                                                     mask=mask_fn(s, positions)))  # fmt: skip
-        if prefetch is not None:
-            (out,) = mx.depends([out], [prefetch])  # keeps the prefetch node; o_proj does not wait for it
         return self.o_proj(out)
 
 
