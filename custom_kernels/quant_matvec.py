@@ -2415,26 +2415,14 @@ RUNS_L2_PREFETCH = 0
 trace, GPU busy 3.14 ms without, 3.16 ms with; bench/NOTES.md, session 13)."""
 
 RUNS_TARGET_WARPS = 2048
-"""runs_warps splits the runs over more warps while the grid has fewer warps than this (the count
-dense_runs_wide measures a grid by, and default_runs_config's rule for the unstaged forms)."""
-
-RUNS_GATE_UP_TARGET_WARPS = 16384
-"""The staged gate|up's target instead (default_runs_config): 4 warps per row set at the 31B FFN
-(5376 row sets, K = 5376) instead of 1. In the 31B decode step (12 layers, one process) its 12 calls
-took 599 us at 4 warps x 2 slots against 689 at 1, 676 at 2 (bench/NOTES.md, session 18)."""
-
-RUNS_DENSE_WARPS = 8
-"""Warps per row set of the staged form for one-token dense rows (default_runs_config), even past a
-row's 1024-weight steps (the spare warps only add their zero partials): the 31B q|k|v (K = 5376, 6
-steps) took 287 us over 12 layers at 8 warps against 351 at 2 (bench/NOTES.md, session 18)."""
+"""default_runs_config splits the runs over more warps while the grid has fewer warps than this."""
 
 
 def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
     """RUNS_ROWS rows per set; staged slots filled by bulk copies (RUNS_BULK), RUNS_STAGES of them
-    for a gate|up and RUNS_DENSE_STAGES for dense rows; staged dense rows RUNS_DENSE_WARPS warps
-    per row set, else one warp per row set, doubled (up to 8, and no more than a row's 1024-weight
-    steps) while the grid holds fewer than RUNS_GATE_UP_TARGET_WARPS (a staged gate|up) or
-    RUNS_TARGET_WARPS warps and the slots fit in static shared memory; GEMMA4_MLX_RUNS_GEOMETRY overrides it (rows=8: the
+    for a gate|up and RUNS_DENSE_STAGES for dense rows; one warp per row set, doubled (up to 8, and
+    no more than a row's 1024-weight steps) while the grid holds fewer than RUNS_TARGET_WARPS warps
+    and the slots fit in static shared memory; GEMMA4_MLX_RUNS_GEOMETRY overrides it (rows=8: the
     8-row form; stages=0: runs16; bulk=0: 16-byte cp.async copies; dynamic=1: slots in dynamic
     shared memory, without bulk copies)."""
     fields = geometry_fields(RunsConfig(), RUNS_GEOMETRY_ENV)
@@ -2444,13 +2432,7 @@ def default_runs_config(kind: str, n: int, k: int) -> RunsConfig:
     stages = fields.get("stages", (RUNS_STAGES if kind == "gate_up" else RUNS_DENSE_STAGES) if rows == 16 else 0)
     dynamic = fields.get("dynamic", 0)
     bulk = RUNS_BULK if stages and dynamic != 1 and _arch_at_least(BULK_ARCH) else 0
-    limit = RUNS_DYNAMIC_LIMIT if dynamic == 1 else RUNS_SHARED_LIMIT
-    if rows == 16 and stages and kind == "dense" and RUNS_DENSE_WARPS * stages * RUNS_STAGE_BYTES <= limit:
-        warps = RUNS_DENSE_WARPS
-    elif rows == 16 and stages and kind == "gate_up":
-        warps = runs_warps(kind, n, k, rows, stages, limit, RUNS_GATE_UP_TARGET_WARPS)
-    else:
-        warps = runs_warps(kind, n, k, rows, stages, limit)
+    warps = runs_warps(kind, n, k, rows, stages, RUNS_DYNAMIC_LIMIT if dynamic == 1 else RUNS_SHARED_LIMIT)
     l2 = RUNS_L2_PREFETCH if rows == 16 and not stages else 0
     return replace_geometry(RunsConfig(warps, RUNS_PREFETCH, rows, l2, stages, bulk, dynamic), fields,
                             RUNS_GEOMETRY_ENV)  # fmt: skip
@@ -2464,14 +2446,13 @@ def dense_runs_wide(n: int, k: int) -> bool:
     return _runs_sets("dense", n, RUNS_ROWS) * warps >= RUNS_DENSE_MIN_WARPS
 
 
-def runs_warps(kind: str, n: int, k: int, rows: int, stages: int, limit: int = RUNS_SHARED_LIMIT,
-               target: int = RUNS_TARGET_WARPS) -> int:
+def runs_warps(kind: str, n: int, k: int, rows: int, stages: int, limit: int = RUNS_SHARED_LIMIT) -> int:
     """Warps per row set: doubled from 1 (up to 8, and no more than a row's 1024-weight steps)
-    while the grid holds fewer than `target` warps and the staged slots fit in `limit`."""
+    while the grid holds fewer than RUNS_TARGET_WARPS warps and the staged slots fit in `limit`."""
     sets = _runs_sets(kind, n, rows)
     groups = math.ceil(k / 1024)  # a warp's step: 1024 weights of each of its rows
     warps = 1
-    while (warps < 8 and 2 * warps <= groups and sets * warps < target
+    while (warps < 8 and 2 * warps <= groups and sets * warps < RUNS_TARGET_WARPS
            and 2 * warps * stages * RUNS_STAGE_BYTES <= limit):  # fmt: skip
         warps *= 2
     return warps

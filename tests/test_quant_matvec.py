@@ -182,9 +182,7 @@ def test_runs_plans_and_geometry(monkeypatch):
     pairs) per threadgroup, warps doubled while the grid is small and a row has runs for them, the
     environment override, and the inputs they refuse."""
     monkeypatch.delenv(qm.RUNS_GEOMETRY_ENV, raising=False)
-    assert qm.default_runs_config("gate_up", 21504, 5376) == qm.RunsConfig(4, 0, 16, 0, qm.RUNS_STAGES, qm.RUNS_BULK)
-    # staged dense rows: RUNS_DENSE_WARPS, whatever their width (only wide ones take the kernel)
-    assert [qm.default_runs_config("dense", n, k).warps for n, k in ((16384, 5376), (5376, 21504), (40, 256))] == [8] * 3
+    assert qm.default_runs_config("gate_up", 21504, 5376) == qm.RunsConfig(1, 0, 16, 0, qm.RUNS_STAGES, qm.RUNS_BULK)
     assert (qm.RUNS_STAGES, qm.RUNS_BULK) == (2, 1)
     assert qm.RUNS_ROWS == 16 and qm.RunsConfig().rows == 16
     monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "rows=12")
@@ -222,9 +220,8 @@ def test_runs_plans_and_geometry(monkeypatch):
         qm.RunsConfig(1, 1, 16)
     with pytest.raises(ValueError, match="rows"):
         qm.RunsConfig(1, 0, 12)
-    # the staged 16-row form: its own kernel; a gate|up's warps doubled toward RUNS_GATE_UP_TARGET_WARPS,
-    # dense rows at RUNS_DENSE_WARPS, both only while the stage slots fit in 48 KB
-    for stages, cases in ((1, {("gate_up", 21504, 5376): 4, ("dense", 16384, 5376): 8, ("dense", 5376, 21504): 8}),
+    # the staged 16-row form: its own kernel, warps doubled only while the stage slots fit in 48 KB
+    for stages, cases in ((1, {("gate_up", 21504, 5376): 1, ("dense", 16384, 5376): 2, ("dense", 5376, 21504): 8}),
                           (2, {("dense", 5376, 21504): 4, ("gate_up", 10240, 2560): 2}),
                           (3, {("dense", 5376, 21504): 2, ("gate_up", 10240, 2560): 2})):  # fmt: skip
         monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, f"stages={stages}")
@@ -242,7 +239,7 @@ def test_runs_plans_and_geometry(monkeypatch):
         monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, override)
         assert qm.default_runs_config("dense", 5376, 21504).bulk == 0, override
     monkeypatch.delenv(qm.RUNS_GEOMETRY_ENV)
-    assert dict(qm.plan_runs("gate_up", 21504, 5376).template) == {"T": "bfloat16", "NW": 4, "STG": qm.RUNS_STAGES}
+    assert dict(qm.plan_runs("gate_up", 21504, 5376).template) == {"T": "bfloat16", "NW": 1, "STG": qm.RUNS_STAGES}
     assert qm._runs_def("gate_up", 16, True, True).name == "g4_q4_0_gate_up_runs16b"
     monkeypatch.setenv(qm.RUNS_GEOMETRY_ENV, "dynamic=1,stages=2")  # slots past 48 KB: 8 warps x 2 slots
     cfg = qm.default_runs_config("dense", 5376, 21504)
