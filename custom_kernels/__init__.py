@@ -63,8 +63,8 @@ kernels, CUDA only) passed its operator tests and memcheck in session 16 and too
 at M = 8 from 39.1 to 26.3 us and the fused gate|up from 123 to 51.5 us; "matvec_gelu_mul" (an
 E-series layer's per-layer-input gate and its gelu * input in one launch of the f32-FMA kernel)
 passed its operator and model tests in session 18 (E4B at 4K 221.6 / 227.5 tok/s against 213.9 /
-226.4 in alternated processes: one launch fewer per layer, a gain inside the run-to-run spread). The exact texts
-that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
+226.4 in alternated processes: one launch fewer per layer, a gain inside the run-to-run spread).
+The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                        "matvec_gelu_mul"})  # fmt: skip

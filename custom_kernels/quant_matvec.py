@@ -2606,10 +2606,11 @@ def _dense_route(x: mx.array, ggml_type: int, n: int) -> str:
 
 def quant_matvec_gelu_mul(x: mx.array, blocks: mx.array, ggml_type: int, n: int, mul: mx.array) -> mx.array:
     """gelu_tanh(x @ W.T) * mul: x [..., K], raw GGUF blocks [N, ...], mul [..., N] in x.dtype ->
-    [..., N] in x.dtype. One launch (op family "matvec_gelu_mul", on by default on CUDA) where quant_matvec would
-    run the f32-FMA dense kernel on Q4_0 / Q8_0 blocks (E4B's per-layer-input gate: one token on
-    CUDA, 1..8 on Metal), the product in f32 and rounded once (not bit-identical to the two-node
-    form, which rounds y and each step of gelu to x.dtype); else quant_matvec, then the product."""
+    [..., N] in x.dtype. One launch (op family "matvec_gelu_mul", on by default on CUDA) where
+    quant_matvec would run the f32-FMA dense kernel on Q4_0 / Q8_0 blocks (E4B's per-layer-input
+    gate: one token on CUDA, 1..8 on Metal), the product in f32 and rounded once (not bit-identical
+    to the two-node form, which rounds y and each step of gelu to x.dtype); else quant_matvec, then
+    the product."""
     _check_dense(x, blocks, ggml_type, n)
     lead = x.shape[:-1]
     if tuple(mul.shape) != (*lead, n) or mul.dtype != x.dtype:

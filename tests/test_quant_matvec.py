@@ -701,9 +701,8 @@ def test_matvec_gelu_mul_op_and_routing(monkeypatch):
     """quant_matvec_gelu_mul: gelu_tanh(x W^T) * mul (checked against float64 numpy); bad mul shapes
     and dtypes are errors. On CUDA and Metal (faked, launches stubbed) it is one launch only with its
     family on (a CUDA default, opt-in on Metal, off when named in KERNELS_OFF) and where quant_matvec
-    would take the f32-FMA kernel: E4B's per-layer-input gate
-    at one token (Q4_0) or 1..8 (Q8_0; Metal: both), not on a runs-kernel shape, 2..8 Q4_0 tokens on
-    CUDA (runs16m), or more than 8 rows."""
+    would take the f32-FMA kernel: E4B's per-layer-input gate at one token (Q4_0) or 1..8 (Q8_0;
+    Metal: both), not on a runs-kernel shape, 2..8 Q4_0 tokens on CUDA (runs16m), or more than 8 rows."""
     rng = np.random.default_rng(5)
     n, k = 7, 96
     raw = qm.random_blocks(rng, qm.Q8_0, (n,), k)
