@@ -195,22 +195,20 @@ def overhead_probe(quick: bool) -> list[dict]:
         if _NOOP_KERNEL is None:
             _NOOP_KERNEL = mx.fast.cuda_kernel(name="g4_bench_noop", input_names=["a", "b"], output_names=["o"],
                                                source="if (threadIdx.x == 0) o[0] = a[0];")  # fmt: skip
-        calls = [lambda a=a: _NOOP_KERNEL(inputs=[a, a], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)],
-                                          output_dtypes=[mx.float32])[0] for a in xs]  # fmt: skip
-        rows.append(dict(name="custom kernel, 1 thread", **host_split(calls, quick)))
+
+        def noop(a, b):
+            return _NOOP_KERNEL(inputs=[a, b], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)],
+                                output_dtypes=[mx.float32])[0]  # fmt: skip
+
+        rows.append(dict(name="custom kernel, 1 thread", **host_split([lambda a=a: noop(a, a) for a in xs], quick)))
         # the same kernel also binding a 26B-A4B layer's expert stacks' size of uint8 (428 M elements):
         # MLX's CUDA encoder counts bound inputs toward MLX_MAX_MB_PER_BUFFER, and a commit costs the host
         big = [mx.zeros((64 if quick else 428 << 20,), dtype=mx.uint8) for _ in range(2)]
         mx.eval(big)
-        calls = [lambda a=a, b=big[i % 2]: _NOOP_KERNEL(inputs=[a, b], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-                                                        output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
-                 for i, a in enumerate(xs)]  # fmt: skip
-        rows.append(dict(name="same, binding 428 MB of uint8", **host_split(calls, quick)))
         words = [mx.view(b, mx.uint32) for b in big]  # the same bytes, a quarter of the elements
-        calls = [lambda a=a, b=words[i % 2]: _NOOP_KERNEL(inputs=[a, b], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-                                                          output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
-                 for i, a in enumerate(xs)]  # fmt: skip
-        rows.append(dict(name="same, binding them as uint32", **host_split(calls, quick)))
+        for name, bound in (("same, binding 428 MB of uint8", big), ("same, binding them as uint32", words)):
+            calls = [lambda a=a, b=bound[i % 2]: noop(a, b) for i, a in enumerate(xs)]
+            rows.append(dict(name=name, **host_split(calls, quick)))
         del big, words, calls
     rows.append(dict(name="mx.add on 64 floats", **host_split([lambda a=a: a + 1.0 for a in xs], quick)))
     for r in rows:

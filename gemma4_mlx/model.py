@@ -303,8 +303,8 @@ class DecoderLayer(nn.Module):
         if self.ple:
             h, _ = add_norm(h, m, self.post_feedforward_layernorm)
             gate = self.per_layer_input_gate
-            if use_kernel("matvec_gelu_mul") and hasattr(gate, "gelu_mul") and per_layer_input.dtype == h.dtype:
-                g = gate.gelu_mul(h, per_layer_input)  # BlockLinear: one launch for both
+            if hasattr(gate, "gelu_mul") and per_layer_input.dtype == h.dtype:
+                g = gate.gelu_mul(h, per_layer_input)  # BlockLinear: one launch where family matvec_gelu_mul is on
             else:
                 g = gelu_tanh(gate(h)) * per_layer_input
             m = self.per_layer_projection(g)
