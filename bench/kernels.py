@@ -347,6 +347,20 @@ def read_probe_rows(model, name, n, k, weights, quick) -> list[dict]:
     return rows
 
 
+def path_read_row(model, name, n, k, nbytes, quick) -> dict:
+    """The read probe (grid-stride, one launch) over as many bytes as a path reads, on rotating
+    contiguous sets: what a single kernel that only reads those bytes reaches in this harness, back
+    to back and serial (the ceiling of any one-launch form of the path, before its own work)."""
+    rows16 = -(-nbytes // 4096)
+    sets = [mx.random.randint(0, 256, (rows16, 4096), dtype=mx.uint8) for _ in range(n_sets(rows16 * 4096, quick))]
+    mx.eval(sets)
+    calls = [lambda w=w: read_probe(w) for w in sets]
+    row = dict(model=model, name=name, impl="read probe: path's bytes", N=n, K=k, M=1, sets=len(sets),
+               **timed(calls, quick, rows16 * 4096), **host_split(calls, quick))  # fmt: skip
+    del sets, calls
+    return row
+
+
 def _dtype_bytes(dtype) -> int:
     return {mx.float32: 4, mx.bfloat16: 2, mx.float16: 2}[dtype]
 
@@ -537,6 +551,8 @@ def expert_case(model, ex, h, dtype, quick, on_gpu, stream_configs=None, with_ml
         extra = {} if cfg is None else {"config": [cfg.tiles, cfg.warps, cfg.stages, cfg.group_blocks, int(cfg.rotate)]}
         rows.append(dict(model=model, name=label, impl=impl, N=2 * f, K=h, M=1, E=e, sets=sets,
                          **timed(calls, quick, nbytes), **extra, **host_split(calls, quick)))  # fmt: skip
+    if on_gpu and custom_kernels.backend() == "cuda" and not stream_configs:
+        rows.append(path_read_row(model, label, 2 * f, h, nbytes, quick))
     if not with_mlx:
         return rows
     affine = [(to_affine(gu, qm.Q4_0, h, dtype), to_affine(dn, qm.Q4_0, f, dtype)) for gu, dn in layers]
