@@ -47,6 +47,7 @@ sys.path.insert(0, ROOT)
 
 import custom_kernels  # noqa: E402
 from custom_kernels import quant_matvec as qm  # noqa: E402
+from custom_kernels import moe_experts as me  # noqa: E402
 
 VOCAB = 262144
 # (name, N, K) per model: attention at sliding (s) and full (f) layers, MLP, head.
@@ -546,6 +547,29 @@ def expert_case(model, ex, h, dtype, quick, on_gpu, stream_configs=None, with_ml
                 return qm.launch_down_sum_stream(a, ids[i], wts, dn, h)
 
             variants += [("q4_0_gate_up+gather+wsum (mlx)", old_summed, None), ("q4_0_gate_up+down_sum_stream", fused, None)]
+            if dtype == mx.bfloat16 and me.moe_experts_supported(x, ids[0], f, h):
+                # as in a decode step, each call's x is the previous call's output (one chain per
+                # round): the one-launch kernel's counters serve calls that run one after another
+                counters = [me.new_counters() for _ in range(sets)]
+                state = [x]
+
+                def chained(path):
+                    def call(i):
+                        state[0] = path(i, state[0])
+                        return state[0]
+
+                    return call
+
+                def two(i, v):
+                    gu, dn = layers[i]
+                    return qm.launch_down_sum_stream(qm.launch_gate_up_stream(v, ids[i], gu, f), ids[i], wts, dn, h)
+
+                def one(i, v):
+                    gu, dn = layers[i]
+                    return me.launch_moe_experts(v, ids[i], wts, gu, dn, counters[i], f)[0]
+
+                variants += [("gate_up+down_sum_stream, chained", chained(two), None),
+                             ("moe_experts (1 launch), chained", chained(one), None)]  # fmt: skip
     for impl, fn, cfg in variants:
         calls = [lambda i=i, fn=fn: fn(i) for i in range(sets)]
         extra = {} if cfg is None else {"config": [cfg.tiles, cfg.warps, cfg.stages, cfg.group_blocks, int(cfg.rotate)]}

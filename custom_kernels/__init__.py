@@ -37,7 +37,7 @@ measurements of one family against the rest, or a workaround); it wins over UNPR
 UNPROVEN_ENV = "GEMMA4_MLX_UNPROVEN_KERNELS"
 """Comma-separated op families the model uses only when named here: families not on by default,
 because they have not passed ``pytest -m gpu`` on real hardware yet or showed no measured gain there
-(``norm_moe``, ``router_proj``; on Metal also the CUDA_ONLY ones)."""
+(``norm_moe``, ``router_proj``, ``moe_one_launch``; on Metal also the CUDA_ONLY ones)."""
 
 PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split",
                     "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
@@ -70,7 +70,7 @@ CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "qu
                        "matvec_gelu_mul"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-FAMILIES = PROVEN | {"norm_moe", "router_proj"}
+FAMILIES = PROVEN | {"norm_moe", "router_proj", "moe_one_launch"}
 """Every op family the model can use: the PROVEN ones and the opt-in ones (UNPROVEN_ENV)."""
 
 _kernel_cache: dict[tuple, Callable] = {}

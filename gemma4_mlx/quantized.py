@@ -138,14 +138,22 @@ class BlockExperts(nn.Module):
         self.gate_up_type, self.down_type = gate_up_type, down_type
         self.gate_up_blocks = mx.zeros((num_experts, 2 * width, row_bytes(gate_up_type, hidden)), mx.uint8)
         self.down_blocks = mx.zeros((num_experts, hidden, row_bytes(down_type, width)), mx.uint8)
+        if gate_up_type == down_type == Q4_0:  # the one-launch kernel's tickets (not a parameter)
+            from custom_kernels.moe_experts import new_counters
+
+            self._counters = new_counters()
 
     def __call__(self, x: mx.array, weights: mx.array, indices: mx.array) -> mx.array:
         """x [..., H], router weights fp32 / indices [..., k] -> [..., H] in x.dtype."""
         from custom_kernels import quant_matvec as qm
 
+        ids = indices if indices.dtype == mx.int32 else indices.astype(mx.int32)
+        if self.gate_up_type == self.down_type == Q4_0:
+            from custom_kernels.moe_experts import q4_0_moe_experts
+
+            return q4_0_moe_experts(x, ids, weights, self.gate_up_blocks, self.down_blocks, self._counters, self.width)
         gate_up_gather = {Q4_0: qm.q4_0_gate_up_gather, Q8_0: qm.q8_0_gate_up_gather}[self.gate_up_type]
         moe_down = {Q4_0: qm.q4_0_moe_down, Q8_0: qm.q8_0_moe_down}[self.down_type]
-        ids = indices if indices.dtype == mx.int32 else indices.astype(mx.int32)
         # the ops take any lead dims, so a decode step has no reshape node here
         gate_up = gate_up_gather(x, ids, self.gate_up_blocks, self.width)  # [..., k, F]
         # down projection and router-weighted sum over the k slots, f32 sums

@@ -1,0 +1,401 @@
+"""A MoE layer's expert path in one launch (CUDA, Q4_0, one bf16 token).
+
+``q4_0_moe_experts(x, ids, weights, gate_up_blocks, down_blocks, counters)`` computes
+
+    out = sum_s weights[s] * W_down[ids[s]] @ (gelu_tanh(g_s) * u_s),  [g_s | u_s] = W_gate_up[ids[s]] @ x
+
+what ``q4_0_gate_up_gather`` then ``q4_0_moe_down`` compute in two launches. x [..., H] bf16 with one
+token, ids int32 [..., k], weights [..., k] (f32), gate_up_blocks [E, 2F, H // 32 * 18], down_blocks
+[E, H, F // 32 * 18] -> [..., H] bf16. The GeGLU products are rounded to bf16 between the two
+halves, as the two-launch path rounds them.
+
+Why one launch: on the H200 a launch that binds a layer's expert stacks costs MLX's host 4-12 us
+(bench/NOTES.md, sessions 17-18), and the two-launch path measured 24.5-34.8 us per step back to
+back against the 11.6 us that 60% of the copy bandwidth allows for its 26.8 MB (26B-A4B).
+
+How (threadgroups of 8 warps, taking tickets from ``counters`` in the order they start):
+
+- tickets below TA = ceil(k * F / 8 / SETS) compute SETS sets of 8 GeGLU outputs (8 gate and 8 up
+  rows of one slot's expert): the set's 16 rows are copied whole into shared memory (16-byte
+  ``cp.async``, K / 256 pieces of 144 bytes per row, spread over the warps), each warp runs
+  mma.sync over its pieces (the stream kernels' block code: weights as A, x as B) and the warps'
+  f32 sums are added in warp order; h [k, F] bf16 is stored, then the set counts itself done;
+- the next TB = H / 16 tickets compute 16 output rows each: warp s copies slot s's 16 down rows
+  into shared memory at once (4-byte ``cp.async``), which overlaps the gate|up half, then waits until
+  all TA gate|up tickets are done, reads h through L2 (``ld.global.cg``: written in this launch),
+  and the slots' weighted f32 sums are added in slot order, rounded once;
+- the last threadgroup to finish sets the counters back to zero for the next call.
+
+A ticket is only taken by a running threadgroup and every down ticket comes after every gate|up
+ticket, so the waiting threadgroups never hold back one they wait for, whatever the residency.
+``counters`` (uint32 [4], zeros) belongs to one sequence of calls that run one after another (a
+layer of a decode step); two calls that could run at once must not share one. A counter that never
+reaches its value (it cannot, short of a kernel killed midway) ends the wait with a trap after ~4 s
+instead of a hang. Expert ids outside [0, E) make their slot's h row and the whole output NaN, as
+in the two-launch kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from . import backend, cuda_arch, use_kernel
+from .dialect import prelude
+from .quant_matvec import (
+    _MMA_HEADER_CUDA,
+    _STREAM_HEADER_CUDA,
+    MMA_ARCH,
+    Q4_0,
+    LaunchPlan,
+    _KernelDef,
+    _run,
+    gate_up_gather_reference,
+    moe_down_reference,
+    q4_0_gate_up_gather,
+    q4_0_moe_down,
+    row_bytes,
+)
+
+__all__ = ["q4_0_moe_experts", "moe_experts_reference", "moe_experts_supported", "launch_moe_experts",
+           "plan_moe_experts", "new_counters", "kernel_specs"]  # fmt: skip
+
+WARPS = 8
+"""Warps per threadgroup; down tickets give one warp per slot, so at most 8 slots."""
+
+SETS = 2
+"""GeGLU sets (8 outputs, 16 weight rows) per gate|up ticket. 26B-A4B (F = 704, 8 slots): 352
+gate|up and 176 down tickets, 528 threadgroups of 50.7 KB of staged weights, 4 per SM of the
+H200's 132: every threadgroup resident at once."""
+
+_PIECE = 16 * 144  # staged bytes of one gate|up piece: 16 rows x 8 blocks
+
+# Template: T (bfloat16), NW (warps), SETS (GeGLU sets per gate|up ticket), PPW (pieces per warp:
+# ceil(SETS * H / 256 / NW)), S (slots).
+_BODY_CUDA = r"""
+  // gemma4-mlx q4_0 MoE experts in one launch (CUDA): gate|up + GeGLU, then down + weighted sum
+  extern __shared__ __align__(16) uint32_t g4_smem[];
+  __shared__ float g4_red[NW][SETS][16];
+  __shared__ int g4_ticket;
+  const int lane = (int)(threadIdx.x & 31u);
+  const int warp = (int)(threadIdx.x >> 5);
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int E = wgu_shape[0];
+  const int F = wgu_shape[1] / 2;
+  const int rbh = wgu_shape[2];   // bytes per gate|up row: H / 32 * 18, a multiple of 144
+  const int H = wdn_shape[1];
+  const int rbf = wdn_shape[2];   // bytes per down row: F / 32 * 18, a multiple of 4
+  const int sets_total = S * (F / 8);
+  const int TA = (sets_total + SETS - 1) / SETS;
+  const int TB = H / 16;
+  unsigned int* ctr = const_cast<unsigned int*>(counters);
+  if (threadIdx.x == 0) g4_ticket = (int)atomicAdd(ctr, 1u);
+  __syncthreads();
+  const int ticket = g4_ticket;
+  const uint32_t smem_addr = g4_shared_addr(g4_smem);
+  const unsigned short* S16 = reinterpret_cast<const unsigned short*>(g4_smem);
+  // one 32-weight block (bytes at o0 for fragment row g, o1 for row g + 8) against x pairs b*
+  auto block_mma = [&](float* acc, int o0, int o1, uint32_t b00, uint32_t b01, uint32_t b10, uint32_t b11) {
+    uint32_t u[2];
+    float d[2];
+    const int os[2] = {o0, o1};
+    _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+      d[h] = g4_half_bits(S16[os[h] >> 1]);
+      const int ob = os[h] + 2 + 4 * t;  // qs[4t .. 4t+3], 2-byte aligned
+      u[h] = __funnelshift_r(g4_smem[ob >> 2], g4_smem[(ob >> 2) + 1], (ob & 3) * 8);
+    }
+    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    g4_mma_bf16(part, g4_q4w_lo_even(u[0]), g4_q4w_lo_even(u[1]), g4_q4w_lo_odd(u[0]), g4_q4w_lo_odd(u[1]), b00, b01);
+    g4_mma_bf16(part, g4_q4w_hi_even(u[0]), g4_q4w_hi_even(u[1]), g4_q4w_hi_odd(u[0]), g4_q4w_hi_odd(u[1]), b10, b11);
+    acc[0] += d[0] * part[0];
+    acc[2] += d[1] * part[2];
+  };
+  if (ticket < TA) {
+    // gate|up: piece p = (set j, 144-byte column group c) of this ticket's SETS sets
+    const int groups = rbh / 144;
+    const int pieces = SETS * groups;
+    const bool aligned = ((reinterpret_cast<size_t>(wgu) | (size_t)rbh) & 15) == 0;
+    auto piece_rows = [&](int j, int r, int& slot) -> const uint8_t* {  // weight row r (0..15) of set j
+      const int q = ticket * SETS + j;
+      slot = q / (F / 8);
+      const int f0 = (q - slot * (F / 8)) * 8;
+      const int e = ids[slot];
+      const int ex = (e >= 0 && e < E) ? e : 0;
+      const int row = r < 8 ? f0 + r : F + f0 + r - 8;
+      return wgu + ((size_t)ex * 2 * F + row) * rbh;
+    };
+    for (int i = 0; i < PPW; ++i) {
+      const int p = warp + i * NW;
+      const int j = p / groups, c = p - j * groups;
+      if (p >= pieces || ticket * SETS + j >= sets_total) continue;
+      for (int cp = lane; cp < 16 * 9; cp += 32) {  // 16 rows x 9 copies of 16 bytes
+        const int r = cp / 9, w16 = cp - r * 9;
+        int slot;
+        const uint8_t* src = piece_rows(j, r, slot) + (size_t)c * 144 + w16 * 16;
+        const int dst = p * 2304 + r * 144 + w16 * 16;
+        if (aligned) {
+          g4_cp_async<16>(smem_addr + (uint32_t)dst, src);
+        } else {
+          _Pragma("unroll") for (int b = 0; b < 16; b += 2) {
+            reinterpret_cast<unsigned short*>(g4_smem)[(dst + b) >> 1] = g4_u16(src + b);
+          }
+        }
+      }
+    }
+    g4_cp_async_commit();
+    g4_cp_async_wait<0>();
+    __syncwarp();
+    const bool x8 = (reinterpret_cast<size_t>(x) & 7) == 0;
+    float acc[SETS][4];
+    _Pragma("unroll") for (int j = 0; j < SETS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int i = 0; i < PPW; ++i) {
+      const int p = warp + i * NW;
+      const int j = p / groups, c = p - j * groups;
+      if (p >= pieces || ticket * SETS + j >= sets_total) continue;
+      float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      _Pragma("unroll 2") for (int bl = 0; bl < 8; ++bl) {
+        const int kb = (c * 8 + bl) * 32 + 4 * t;
+        uint2 xa, xc;
+        if (x8) {
+          xa = __ldg(reinterpret_cast<const uint2*>(x + kb));       // x[4t .. 4t+3]
+          xc = __ldg(reinterpret_cast<const uint2*>(x + kb + 16));  // x[16+4t ..]
+        } else {
+          const unsigned short* x16 = reinterpret_cast<const unsigned short*>(x);
+          xa = make_uint2((uint32_t)__ldg(x16 + kb) | ((uint32_t)__ldg(x16 + kb + 1) << 16),
+                          (uint32_t)__ldg(x16 + kb + 2) | ((uint32_t)__ldg(x16 + kb + 3) << 16));
+          xc = make_uint2((uint32_t)__ldg(x16 + kb + 16) | ((uint32_t)__ldg(x16 + kb + 17) << 16),
+                          (uint32_t)__ldg(x16 + kb + 18) | ((uint32_t)__ldg(x16 + kb + 19) << 16));
+        }
+        const int o = p * 2304 + g * 144 + 18 * bl;
+        block_mma(a, o, o + 8 * 144, __byte_perm(xa.x, xa.y, 0x5410), __byte_perm(xa.x, xa.y, 0x7632),
+                  __byte_perm(xc.x, xc.y, 0x5410), __byte_perm(xc.x, xc.y, 0x7632));
+      }
+      _Pragma("unroll") for (int jj = 0; jj < SETS; ++jj) {
+        if (jj == j) { acc[jj][0] += a[0]; acc[jj][2] += a[2]; }
+      }
+    }
+    if (t == 0) {
+      _Pragma("unroll") for (int j = 0; j < SETS; ++j) {
+        g4_red[warp][j][g] = acc[j][0];
+        g4_red[warp][j][8 + g] = acc[j][2];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < SETS * 8) {
+      const int j = (int)threadIdx.x / 8, gq = (int)threadIdx.x % 8;
+      const int q = ticket * SETS + j;
+      if (q < sets_total) {
+        float gs = 0.0f, us = 0.0f;
+        for (int w = 0; w < NW; ++w) { gs += g4_red[w][j][gq]; us += g4_red[w][j][8 + gq]; }
+        const int slot = q / (F / 8);
+        const int e = ids[slot];
+        const float v = (e >= 0 && e < E) ? g4_gelu_tanh(gs) * us : g4_nan();
+        h[(size_t)slot * F + (q - slot * (F / 8)) * 8 + gq] = static_cast<T>(v);
+      }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(ctr + 1, 1u);
+  } else if (ticket < TA + TB) {
+    // down: warp = slot, 16 output rows from r0; stage the rows before waiting for h
+    const int r0 = (ticket - TA) * 16;
+    const int sl = warp;
+    const int e = sl < S ? ids[sl] : 0;
+    const bool live = e >= 0 && e < E;
+    const uint8_t* wrow = wdn + ((size_t)(live ? e : 0) * H + r0) * rbf;
+    const int words = rbf / 4;
+    const int base = warp * 16 * rbf;
+    if (sl < S) {
+      if (((reinterpret_cast<size_t>(wdn)) & 3) == 0) {
+        for (int cp = lane; cp < 16 * words; cp += 32) {
+          g4_cp_async<4>(smem_addr + (uint32_t)(base + cp * 4), wrow + (size_t)cp * 4);
+        }
+      } else {
+        for (int cp = lane; cp < 8 * rbf; cp += 32) {
+          reinterpret_cast<unsigned short*>(g4_smem)[(base >> 1) + cp] = g4_u16(wrow + (size_t)cp * 2);
+        }
+      }
+    }
+    g4_cp_async_commit();
+    if (threadIdx.x == 0) {
+      unsigned int done;
+      for (long long spin = 0;; ++spin) {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(done) : "l"(ctr + 1) : "memory");
+        if (done >= (unsigned int)TA) break;
+        if (spin > (1ll << 26)) __trap();
+        __nanosleep(64);
+      }
+    }
+    __syncthreads();
+    g4_cp_async_wait<0>();
+    __syncwarp();
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (sl < S) {
+      const T* hr = h + (size_t)sl * F;
+      for (int bl = 0; bl < F / 32; ++bl) {
+        const int kb = bl * 32 + 4 * t;
+        const uint2 xa = __ldcg(reinterpret_cast<const uint2*>(hr + kb));
+        const uint2 xc = __ldcg(reinterpret_cast<const uint2*>(hr + kb + 16));
+        const int o = base + g * rbf + 18 * bl;
+        block_mma(acc, o, o + 8 * rbf, __byte_perm(xa.x, xa.y, 0x5410), __byte_perm(xa.x, xa.y, 0x7632),
+                  __byte_perm(xc.x, xc.y, 0x5410), __byte_perm(xc.x, xc.y, 0x7632));
+      }
+    }
+    if (t == 0) {
+      const float wt = sl < S ? (live ? wts[sl] : g4_nan()) : 0.0f;
+      g4_red[warp][0][g] = wt * acc[0];
+      g4_red[warp][0][8 + g] = wt * acc[2];
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+      float s = 0.0f;
+      for (int w = 0; w < S; ++w) s += g4_red[w][0][threadIdx.x];
+      out[r0 + threadIdx.x] = static_cast<T>(s);
+    }
+  }
+  // the last block to finish sets the counters back to zero for the next call
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(ctr + 2, 1u) == gridDim.x - 1) {
+      atomicExch(ctr, 0u);
+      atomicExch(ctr + 1, 0u);
+      atomicExch(ctr + 2, 0u);
+      __threadfence();
+    }
+  }
+"""
+
+_DEF = _KernelDef("g4_q4_0_moe_experts", "moe_experts", Q4_0, ("x", "ids", "wts", "wgu", "wdn", "counters"),
+                  ("out", "h"), ("T", "NW", "SETS", "PPW", "S"),
+                  {"metal": ("", ""), "cuda": (prelude("cuda") + _MMA_HEADER_CUDA + _STREAM_HEADER_CUDA, _BODY_CUDA)})  # fmt: skip
+
+
+def new_counters() -> mx.array:
+    """The zeroed uint32 [4] counters one sequence of q4_0_moe_experts calls shares (one per layer)."""
+    return mx.zeros((4,), dtype=mx.uint32)
+
+
+def shared_bytes(slots: int, f: int, h: int, sets: int = SETS, warps: int = WARPS) -> int:
+    """Dynamic shared memory of one threadgroup: the larger of a gate|up ticket's pieces and a down
+    ticket's staged rows, plus 16 bytes the block reads may run past the last row."""
+    return max(sets * (h // 256) * _PIECE, warps * 16 * row_bytes(Q4_0, f)) + 16
+
+
+def plan_moe_experts(slots: int, f: int, h: int, sets: int = SETS, warps: int = WARPS) -> tuple[LaunchPlan, int]:
+    """(launch plan, dynamic shared bytes) of one call: TA + TB threadgroups of 32 * warps threads."""
+    if slots > warps:
+        raise ValueError(f"moe_experts: {slots} slots, at most {warps} (a warp per slot)")
+    if h % 256 or f % 64:
+        raise ValueError(f"moe_experts: needs H % 256 == 0 and F % 64 == 0, got H={h}, F={f}")
+    ta = -(-slots * (f // 8) // sets)
+    ppw = -(-sets * (h // 256) // warps)
+    template = [("T", "bfloat16"), ("NW", warps), ("SETS", sets), ("PPW", ppw), ("S", slots)]
+    grid = ((ta + h // 16) * 32 * warps, 1, 1)
+    return LaunchPlan(template, grid, (32 * warps, 1, 1), (h,)), shared_bytes(slots, f, h, sets, warps)
+
+
+def moe_experts_supported(x: mx.array, ids: mx.array, f: int, h: int) -> bool:
+    """True when the one-launch kernel takes this call: CUDA (sm_80+), bf16 x of one token, at
+    most 8 slots, H % 256 == 0, F % 64 == 0."""
+    return (backend() == "cuda" and cuda_arch() >= MMA_ARCH and x.dtype == mx.bfloat16 and x.size == h
+            and math.prod(ids.shape[:-1]) == 1 and ids.shape[-1] <= WARPS and h % 256 == 0 and f % 64 == 0)  # fmt: skip
+
+
+def launch_moe_experts(x: mx.array, ids: mx.array, weights: mx.array, gate_up_blocks: mx.array,
+                       down_blocks: mx.array, counters: mx.array, f: int, sets: int = SETS) -> tuple[mx.array, mx.array]:  # fmt: skip
+    """The kernel (no checks, no fallback; CUDA builds only) -> (out [..., H] like x, h [k, F])."""
+    h = x.shape[-1]
+    plan, smem = plan_moe_experts(ids.shape[-1], f, h, sets)
+    out, gelu = _run_two(plan, smem, [x, ids, weights.astype(mx.float32), gate_up_blocks, down_blocks, counters],
+                         [x.shape, (ids.shape[-1], f)])  # fmt: skip
+    return out, gelu
+
+
+def _run_two(plan: LaunchPlan, smem: int, inputs: list, shapes: list) -> list:
+    from . import get_kernel, template_args
+
+    kernel = get_kernel(_DEF.name, _DEF.input_names, _DEF.output_names, _DEF.text["metal"], _DEF.text["cuda"],
+                        cuda_shared_memory=smem)  # fmt: skip
+    return kernel(inputs=inputs, template=template_args(plan.template), grid=plan.grid,
+                  threadgroup=plan.threadgroup, output_shapes=shapes, output_dtypes=[mx.bfloat16, mx.bfloat16])  # fmt: skip
+
+
+def moe_experts_reference(x, ids, weights, gate_up_blocks, down_blocks, f: int) -> mx.array:
+    """The two-op reference: gate_up_gather_reference then moe_down_reference -> [..., H], x.dtype."""
+    gelu = gate_up_gather_reference(x, ids, gate_up_blocks, Q4_0, f)
+    return moe_down_reference(gelu, ids, weights, down_blocks, Q4_0, x.shape[-1])
+
+
+def q4_0_moe_experts(x: mx.array, ids: mx.array, weights: mx.array, gate_up_blocks: mx.array,
+                     down_blocks: mx.array, counters: mx.array, f: int) -> mx.array:  # fmt: skip
+    """A MoE layer's Q4_0 experts (module doc) -> [..., H] in x.dtype: one launch where the family
+    "moe_one_launch" is on and moe_experts_supported; else q4_0_gate_up_gather then q4_0_moe_down."""
+    if use_kernel("moe_one_launch") and moe_experts_supported(x, ids, f, x.shape[-1]):
+        if counters.dtype != mx.uint32 or counters.shape != (4,):
+            raise ValueError(f"counters must be uint32 [4] (new_counters()), got {counters.dtype} {counters.shape}")
+        return launch_moe_experts(x, ids, weights, gate_up_blocks, down_blocks, counters, f)[0]
+    gelu = q4_0_gate_up_gather(x, ids, gate_up_blocks, f)
+    return q4_0_moe_down(gelu, ids, weights, down_blocks, x.shape[-1])
+
+
+# --------------------------------------------------------------------------------------------
+# Emulator / compile-test registry (see custom_kernels.registry)
+# --------------------------------------------------------------------------------------------
+
+
+def _case(rng: np.random.Generator, slots: int, experts: int, f: int, h: int, sets: int, bad_id: bool = False):
+    from .quant_matvec import _activations, _gelu_tanh_f64, _tolerances, dequantize_f64, random_blocks
+    from .registry import KernelCase, bf16_to_f32, f32_to_bf16
+
+    x, x64, in_dt = _activations(rng, (1, h), "bfloat16")
+    ids = rng.permutation(experts)[:slots].astype(np.int32)
+    if bad_id:
+        ids[slots // 2] = experts  # out of range: that slot's h row and the whole output are NaN
+    wts = rng.random(slots).astype(np.float32)
+    wgu = random_blocks(rng, Q4_0, (experts, 2 * f), h)
+    wdn = random_blocks(rng, Q4_0, (experts, h), f)
+    safe = np.where((ids >= 0) & (ids < experts), ids, 0)
+    gu64 = np.einsum("snk,k->sn", dequantize_f64(wgu, Q4_0)[safe], x64[0])
+    gu_mag = np.einsum("snk,k->sn", np.abs(dequantize_f64(wgu, Q4_0)[safe]), np.abs(x64[0]))
+    gelu64 = _gelu_tanh_f64(gu64[:, :f]) * gu64[:, f:]
+    gelu_scale = float(((np.abs(gu64[:, :f]) + gu_mag[:, :f]) * (np.abs(gu64[:, f:]) + gu_mag[:, f:])).max())
+    # the down half reads h rounded to bf16, as the kernel stores it
+    hb = bf16_to_f32(f32_to_bf16(gelu64.astype(np.float32))).astype(np.float64)
+    dn64 = dequantize_f64(wdn, Q4_0)[safe]  # [k, H, F]
+    out64 = np.einsum("s,shf,sf->h", wts.astype(np.float64), dn64, hb)
+    out_scale = float(np.einsum("s,shf,sf->h", wts.astype(np.float64), np.abs(dn64), np.abs(hb)).max())
+    if bad_id:
+        gelu64[slots // 2] = np.nan
+        out64[:] = np.nan
+    rtol, _ = _tolerances("bfloat16", 1.0)
+    plan, smem = plan_moe_experts(slots, f, h, sets)
+    # one atol for both outputs: f32 sums against the larger scale, plus a few h entries that f32
+    # rounds to the other bf16 neighbour than float64 does (one ulp, 2^-8, each)
+    flip = 4 * 2.0**-8 * float(np.abs(wts[:, None, None] * dn64 * hb[:, None, :]).max())
+    atol = 1e-5 * max(gelu_scale, out_scale) + flip
+    return KernelCase(
+        inputs={"x": x, "ids": ids.reshape(1, slots), "wts": wts.reshape(1, slots), "wgu": wgu, "wdn": wdn,
+                "counters": np.zeros(4, np.uint32)},
+        template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
+        output_shapes=[(1, h), (slots, f)], output_dtypes=["bfloat16", "bfloat16"],
+        expected=[out64.reshape(1, h), gelu64], rtol=rtol, atol=atol, input_dtypes=in_dt,
+        label=f"moe_experts k={slots} E={experts} F={f} H={h} sets={sets}{' bad id' if bad_id else ''}",
+        cuda_shared_memory=smem,
+    )  # fmt: skip
+
+
+def _cases(rng: np.random.Generator):
+    """Odd set counts (a last gate|up ticket with one set), more pieces than warps, one slot, an
+    expert id out of range."""
+    return [_case(rng, 3, 5, 64, 256, 2), _case(rng, 8, 10, 128, 768, 2), _case(rng, 1, 2, 64, 512, 1),
+            _case(rng, 5, 7, 192, 256, 3, bad_id=True)]  # fmt: skip
+
+
+def kernel_specs():
+    from .registry import KernelSpec
+
+    return [KernelSpec(_DEF.name, _DEF.input_names, _DEF.output_names, "", "", *_DEF.text["cuda"], _cases)]  # CUDA only

@@ -1,0 +1,95 @@
+"""CPU tests of custom_kernels.moe_experts: the op's fallback equals the two-op reference, the
+registry cases' float64 expectations agree with that reference, launch plans, and routing on a
+faked CUDA build (launch stubbed). The kernel itself runs in tests/test_moe_experts_gpu.py."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import custom_kernels
+from custom_kernels import moe_experts as me
+from custom_kernels import quant_matvec as qm
+from custom_kernels.registry import bf16_to_f32
+
+
+def _layer(rng, experts=6, f=64, h=256):
+    gu = mx.array(qm.random_blocks(rng, qm.Q4_0, (experts, 2 * f), h))
+    dn = mx.array(qm.random_blocks(rng, qm.Q4_0, (experts, h), f))
+    return gu, dn
+
+
+def test_cpu_op_is_the_two_op_reference():
+    rng = np.random.default_rng(3)
+    gu, dn = _layer(rng)
+    x = mx.array(rng.standard_normal((1, 1, 256)).astype(np.float32)).astype(mx.bfloat16)
+    ids = mx.array(np.array([[[4, 0, 2]]], np.int32))
+    wts = mx.array(rng.random((1, 1, 3)).astype(np.float32))
+    got = me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)
+    want = me.moe_experts_reference(x, ids, wts, gu, dn, 64)
+    assert got.shape == (1, 1, 256) and got.dtype == mx.bfloat16
+    assert np.array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+
+
+def test_registry_cases_agree_with_the_reference():
+    """Each case's float64 expectation (out and h) holds for the MLX reference on the same inputs,
+    within the case's own tolerance; the out-of-range case expects NaN everywhere in out."""
+    (spec,) = me.kernel_specs()
+    for case in spec.cases(np.random.default_rng(0)):
+        assert list(case.inputs) == list(spec.input_names) and case.cuda_shared_memory > 0
+        x = mx.array(bf16_to_f32(case.inputs["x"])).astype(mx.bfloat16)
+        ids, wts = mx.array(case.inputs["ids"]), mx.array(case.inputs["wts"])
+        gu, dn = mx.array(case.inputs["wgu"]), mx.array(case.inputs["wdn"])
+        f = case.output_shapes[1][1]
+        if np.isnan(case.expected[0]).all():
+            assert (np.array(ids) >= gu.shape[0]).any()
+            continue
+        gelu = qm.gate_up_gather_reference(x, ids, gu, qm.Q4_0, f)
+        out = qm.moe_down_reference(gelu, ids, wts, dn, qm.Q4_0, x.shape[-1])
+        for got, want in ((out, case.expected[0]), (gelu.reshape(case.output_shapes[1]), case.expected[1])):
+            got = np.array(got.astype(mx.float32)).reshape(want.shape)
+            assert (np.abs(got - want) <= case.atol + case.rtol * np.abs(want)).all(), case.label
+
+
+def test_plans():
+    plan, smem = me.plan_moe_experts(8, 704, 2816)  # 26B-A4B: 352 gate|up + 176 down tickets
+    assert plan.grid == (528 * 256, 1, 1) and plan.threadgroup == (256, 1, 1)
+    assert dict(plan.template)["PPW"] == 3 and smem == 8 * 16 * 396 + 16 == 2 * 11 * 2304 + 16
+    plan, smem = me.plan_moe_experts(3, 64, 256, sets=2)  # 24 sets -> 12 tickets, 16 down tickets
+    assert plan.grid == (28 * 256, 1, 1) and dict(plan.template)["PPW"] == 1
+    with pytest.raises(ValueError, match="at most 8"):
+        me.plan_moe_experts(9, 704, 2816)
+    with pytest.raises(ValueError, match="H % 256"):
+        me.plan_moe_experts(8, 704, 2880)
+
+
+def test_routing_on_faked_cuda(monkeypatch):
+    """Faked CUDA (launch stubbed): the kernel only with the family opted in, bf16, one token, at
+    most 8 slots, H % 256 == 0 and F % 64 == 0; otherwise the two ops. Bad counters are an error."""
+    rng = np.random.default_rng(4)
+    gu, dn = _layer(rng)
+    calls = []
+    monkeypatch.setattr(me, "backend", lambda: "cuda")
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(me, "cuda_arch", lambda: 90)
+    monkeypatch.setattr(me, "launch_moe_experts", lambda x, *a, **k: calls.append(x.shape) or (mx.zeros(x.shape, x.dtype), None))
+    monkeypatch.setattr(me, "q4_0_gate_up_gather", lambda x, ids, *a: calls.append("gate_up") or x)
+    monkeypatch.setattr(me, "q4_0_moe_down", lambda x, *a: calls.append("down") or x)
+    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
+    monkeypatch.delenv(custom_kernels.KERNELS_ENV, raising=False)
+    x = mx.zeros((1, 256), mx.bfloat16)
+    ids, wts = mx.array(np.array([[1, 2]], np.int32)), mx.ones((1, 2))
+    monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
+    me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)
+    assert calls == ["gate_up", "down"]  # opt-in
+    calls.clear()
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_one_launch")
+    me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)
+    assert calls == [(1, 256)]
+    me.q4_0_moe_experts(x.astype(mx.float32), ids, wts, gu, dn, me.new_counters(), 64)  # f32: two ops
+    me.q4_0_moe_experts(mx.zeros((2, 256), mx.bfloat16), mx.array(np.array([[1, 2], [0, 3]], np.int32)),
+                        mx.ones((2, 2)), gu, dn, me.new_counters(), 64)  # two tokens: two ops  # fmt: skip
+    assert calls == [(1, 256)] + ["gate_up", "down"] * 2
+    with pytest.raises(ValueError, match="counters"):
+        me.q4_0_moe_experts(x, ids, wts, gu, dn, mx.zeros((4,), mx.int32), 64)

@@ -1,0 +1,161 @@
+"""GPU tests of the one-launch MoE expert kernel (custom_kernels.moe_experts) against float64 numpy
+on the same blocks, against the two-launch path, and for its ticket counters: calls one after
+another, a chain of dependent calls in one graph, misaligned inputs, an expert id out of range.
+Run with ``pytest -m gpu``."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import custom_kernels
+from custom_kernels import moe_experts as me
+from custom_kernels import quant_matvec as qm
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(custom_kernels.backend() != "cuda" or custom_kernels.cuda_arch() < qm.MMA_ARCH,
+                       reason="CUDA kernel (cp.async + tensor cores)"),  # fmt: skip
+]
+
+E, SLOTS, F, H = 16, 8, 704, 2816  # 26B-A4B's expert shapes, 16 of its 128 experts
+
+
+def _gelu(v):
+    return 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v**3)))
+
+
+@pytest.fixture(scope="module")
+def layer():
+    rng = np.random.default_rng(41)
+    gu, dn = qm.random_blocks(rng, qm.Q4_0, (E, 2 * F), H), qm.random_blocks(rng, qm.Q4_0, (E, H), F)
+    return dict(rng=rng, gu=gu, dn=dn, gu64=qm.dequantize_f64(gu, qm.Q4_0), dn64=qm.dequantize_f64(dn, qm.Q4_0),
+                gu_mx=mx.array(gu), dn_mx=mx.array(dn))  # fmt: skip
+
+
+def _inputs(rng, slots=SLOTS):
+    x = mx.array(rng.standard_normal((1, H)).astype(np.float32)).astype(mx.bfloat16)
+    ids = rng.permutation(E)[:slots].astype(np.int32)
+    wts = rng.random(slots).astype(np.float32)
+    return x, ids, wts
+
+
+def _check_against_f64(layer, x, ids, wts, out, gelu):
+    """h against f64 gelu(g) * u; out against f64 from the kernel's own bf16 h (what its down half
+    read), both to bf16 output rounding relative to the sums of magnitudes."""
+    x64 = np.array(x.astype(mx.float32)).astype(np.float64)[0]
+    w = layer["gu64"][ids]  # [k, 2F, H]
+    g, u = w[:, :F] @ x64, w[:, F:] @ x64
+    gm, um = np.abs(w[:, :F]) @ np.abs(x64), np.abs(w[:, F:]) @ np.abs(x64)
+    h_got = np.array(gelu.astype(mx.float32)).astype(np.float64)
+    assert not np.isnan(h_got).any()
+    rel = np.abs(h_got - _gelu(g) * u) / ((np.abs(g) + gm) * (np.abs(u) + um))
+    assert rel.max() <= 2**-8, f"h: relative error {rel.max():.3g}"
+    d = layer["dn64"][ids]  # [k, H, F]
+    want = np.einsum("s,shf,sf->h", wts.astype(np.float64), d, h_got)
+    bound = np.einsum("s,shf,sf->h", wts.astype(np.float64), np.abs(d), np.abs(h_got))
+    got = np.array(out.astype(mx.float32)).astype(np.float64).reshape(-1)
+    assert not np.isnan(got).any()
+    rel = np.abs(got - want) / bound
+    assert rel.max() <= 2**-8, f"out: relative error {rel.max():.3g}"
+
+
+def test_against_float64_and_two_launch_path(layer):
+    rng = layer["rng"]
+    for slots in (SLOTS, 3, 1):
+        x, ids, wts = _inputs(rng, slots)
+        counters = me.new_counters()
+        out, gelu = me.launch_moe_experts(x, mx.array(ids[None]), mx.array(wts[None]), layer["gu_mx"], layer["dn_mx"],
+                                          counters, F)  # fmt: skip
+        mx.eval(out, gelu)
+        assert out.shape == (1, H) and out.dtype == mx.bfloat16 and gelu.shape == (slots, F)
+        _check_against_f64(layer, x, ids, wts, out, gelu)
+        assert np.array(counters).tolist() == [0, 0, 0, 0], "counters not reset"
+        two = qm.q4_0_moe_down(qm.q4_0_gate_up_gather(x, mx.array(ids[None]), layer["gu_mx"], F), mx.array(ids[None]),
+                               mx.array(wts[None]), layer["dn_mx"], H)  # fmt: skip
+        a, b = np.array(out.astype(mx.float32)), np.array(two.astype(mx.float32))
+        assert np.abs(a - b).max() <= 2**-6 * np.abs(b).max(), "one launch and two launches disagree"
+
+
+def test_calls_one_after_another_and_chained(layer):
+    """The same counters serve many calls: evaluated one by one, and as a chain of 12 dependent
+    calls in one graph (each launch starts after the last one reset the counters): same values."""
+    rng = layer["rng"]
+    x, ids, wts = _inputs(rng)
+    ids_mx, wts_mx, counters = mx.array(ids[None]), mx.array(wts[None]), me.new_counters()
+
+    def step(v):
+        out = me.launch_moe_experts(v, ids_mx, wts_mx, layer["gu_mx"], layer["dn_mx"], counters, F)[0]
+        o = out.astype(mx.float32)
+        return (o * mx.rsqrt((o * o).mean() + 1e-6)).astype(mx.bfloat16)
+
+    one_by_one, v = [], x
+    for _ in range(12):
+        v = step(v)
+        mx.eval(v)
+        one_by_one.append(np.array(v.astype(mx.float32)))
+    chain, v = [], x
+    for _ in range(12):
+        v = step(v)
+        chain.append(v)
+    mx.eval(chain)
+    for i, (a, b) in enumerate(zip(one_by_one, chain)):
+        assert np.array_equal(a, np.array(b.astype(mx.float32))), f"call {i} differs in a chain"
+    assert np.array(counters).tolist() == [0, 0, 0, 0]
+
+
+def _misaligned(raw: np.ndarray, offset: int) -> mx.array:
+    flat = mx.array(np.concatenate([np.zeros(offset, np.uint8), raw.reshape(-1)]))
+    return flat[offset:].reshape(raw.shape)
+
+
+def test_misaligned_inputs(layer):
+    """x 2 bytes off 8-byte alignment, expert stacks 2 bytes off 16 / 4: the copy fallbacks."""
+    rng = layer["rng"]
+    x, ids, wts = _inputs(rng)
+    x_off = mx.concatenate([mx.zeros((1,), mx.bfloat16), x.reshape(-1)])[1:].reshape(1, H)
+    out, gelu = me.launch_moe_experts(x_off, mx.array(ids[None]), mx.array(wts[None]), _misaligned(layer["gu"], 2),
+                                      _misaligned(layer["dn"], 2), me.new_counters(), F)  # fmt: skip
+    mx.eval(out, gelu)
+    _check_against_f64(layer, x, ids, wts, out, gelu)
+
+
+def test_expert_out_of_range(layer):
+    """An id outside [0, E): its h row and the whole output are NaN; the next call is right."""
+    rng = layer["rng"]
+    x, ids, wts = _inputs(rng)
+    bad = ids.copy()
+    bad[2] = E + 3
+    counters = me.new_counters()
+    out, gelu = me.launch_moe_experts(x, mx.array(bad[None]), mx.array(wts[None]), layer["gu_mx"], layer["dn_mx"],
+                                      counters, F)  # fmt: skip
+    h = np.array(gelu.astype(mx.float32))
+    assert np.isnan(np.array(out.astype(mx.float32))).all() and np.isnan(h[2]).all()
+    assert np.isfinite(np.delete(h, 2, axis=0)).all()
+    out, gelu = me.launch_moe_experts(x, mx.array(ids[None]), mx.array(wts[None]), layer["gu_mx"], layer["dn_mx"],
+                                      counters, F)  # fmt: skip
+    mx.eval(out, gelu)
+    _check_against_f64(layer, x, ids, wts, out, gelu)
+
+
+def test_op_routes_by_family(layer, monkeypatch):
+    """q4_0_moe_experts takes the kernel with the family opted in, the two-launch path without it,
+    and the two-launch path for more than one token."""
+    rng = layer["rng"]
+    x, ids, wts = _inputs(rng)
+    args = (mx.array(ids[None]), mx.array(wts[None]), layer["gu_mx"], layer["dn_mx"], me.new_counters(), F)
+    calls = []
+    real = me.launch_moe_experts
+    monkeypatch.setattr(me, "launch_moe_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
+    off = me.q4_0_moe_experts(x, *args)
+    assert not calls
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_one_launch")
+    on = me.q4_0_moe_experts(x, *args)
+    assert calls == [1]
+    a, b = np.array(on.astype(mx.float32)), np.array(off.astype(mx.float32))
+    assert np.abs(a - b).max() <= 2**-6 * np.abs(b).max()
+    x2 = mx.concatenate([x, x])
+    two = me.q4_0_moe_experts(x2, mx.array(np.stack([ids, ids])), mx.array(np.stack([wts, wts])), *args[2:])
+    assert calls == [1] and two.shape == (2, H)
