@@ -28,7 +28,7 @@ How (threadgroups of 8 warps, taking tickets from ``counters`` in the order they
 
 A ticket is only taken by a running threadgroup and every down ticket comes after every gate|up
 ticket, so the waiting threadgroups never hold back one they wait for, whatever the residency.
-``counters`` (uint32 [4], zeros) belongs to one sequence of calls that run one after another (a
+``counters`` (uint32 [96], zeros) belongs to one sequence of calls that run one after another (a
 layer of a decode step); two calls that could run at once must not share one. A counter that never
 reaches its value (it cannot, short of a kernel killed midway) ends the wait with a trap after ~4 s
 instead of a hang. Expert ids outside [0, E) make their slot's h row and the whole output NaN, as
@@ -91,8 +91,12 @@ _BODY_CUDA = r"""
   const int sets_total = S * (F / 8);
   const int TA = (sets_total + SETS - 1) / SETS;
   const int TB = H / 16;
-  unsigned int* ctr = const_cast<unsigned int*>(counters);
-  if (threadIdx.x == 0) g4_ticket = (int)atomicAdd(ctr, 1u);
+  // tickets, gate|up tickets done, blocks done: each on its own 128-byte line, so the polling of
+  // the second does not queue the atomics on the others
+  unsigned int* tickets = const_cast<unsigned int*>(counters);
+  unsigned int* sets_done = tickets + 32;
+  unsigned int* blocks_done = tickets + 64;
+  if (threadIdx.x == 0) g4_ticket = (int)atomicAdd(tickets, 1u);
   __syncthreads();
   const int ticket = g4_ticket;
   const uint32_t smem_addr = g4_shared_addr(g4_smem);
@@ -118,23 +122,19 @@ _BODY_CUDA = r"""
     const int groups = rbh / 144;
     const int pieces = SETS * groups;
     const bool aligned = ((reinterpret_cast<size_t>(wgu) | (size_t)rbh) & 15) == 0;
-    auto piece_rows = [&](int j, int r, int& slot) -> const uint8_t* {  // weight row r (0..15) of set j
-      const int q = ticket * SETS + j;
-      slot = q / (F / 8);
-      const int f0 = (q - slot * (F / 8)) * 8;
-      const int e = ids[slot];
-      const int ex = (e >= 0 && e < E) ? e : 0;
-      const int row = r < 8 ? f0 + r : F + f0 + r - 8;
-      return wgu + ((size_t)ex * 2 * F + row) * rbh;
-    };
     for (int i = 0; i < PPW; ++i) {
       const int p = warp + i * NW;
       const int j = p / groups, c = p - j * groups;
-      if (p >= pieces || ticket * SETS + j >= sets_total) continue;
+      const int q = ticket * SETS + j;
+      if (p >= pieces || q >= sets_total) continue;
+      const int slot = q / (F / 8);
+      const int e = ids[slot];
+      // gate row f0 of the set's expert; its up rows start F rows further
+      const uint8_t* gate0 = wgu + ((size_t)((e >= 0 && e < E) ? e : 0) * 2 * F + (q - slot * (F / 8)) * 8) * rbh
+                             + (size_t)c * 144;
       for (int cp = lane; cp < 16 * 9; cp += 32) {  // 16 rows x 9 copies of 16 bytes
         const int r = cp / 9, w16 = cp - r * 9;
-        int slot;
-        const uint8_t* src = piece_rows(j, r, slot) + (size_t)c * 144 + w16 * 16;
+        const uint8_t* src = gate0 + (size_t)(r < 8 ? r : F + r - 8) * rbh + w16 * 16;
         const int dst = p * 2304 + r * 144 + w16 * 16;
         if (aligned) {
           g4_cp_async<16>(smem_addr + (uint32_t)dst, src);
@@ -156,7 +156,7 @@ _BODY_CUDA = r"""
       const int j = p / groups, c = p - j * groups;
       if (p >= pieces || ticket * SETS + j >= sets_total) continue;
       float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      _Pragma("unroll 2") for (int bl = 0; bl < 8; ++bl) {
+      _Pragma("unroll") for (int bl = 0; bl < 8; ++bl) {
         const int kb = (c * 8 + bl) * 32 + 4 * t;
         uint2 xa, xc;
         if (x8) {
@@ -194,11 +194,11 @@ _BODY_CUDA = r"""
         const int e = ids[slot];
         const float v = (e >= 0 && e < E) ? g4_gelu_tanh(gs) * us : g4_nan();
         h[(size_t)slot * F + (q - slot * (F / 8)) * 8 + gq] = static_cast<T>(v);
+        __threadfence();
       }
     }
-    __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) atomicAdd(ctr + 1, 1u);
+    if (threadIdx.x == 0) atomicAdd(sets_done, 1u);
   } else if (ticket < TA + TB) {
     // down: warp = slot, 16 output rows from r0; stage the rows before waiting for h
     const int r0 = (ticket - TA) * 16;
@@ -221,12 +221,13 @@ _BODY_CUDA = r"""
     }
     g4_cp_async_commit();
     if (threadIdx.x == 0) {
-      unsigned int done;
+      unsigned int done, pause = 32;
       for (long long spin = 0;; ++spin) {
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(done) : "l"(ctr + 1) : "memory");
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(done) : "l"(sets_done) : "memory");
         if (done >= (unsigned int)TA) break;
-        if (spin > (1ll << 26)) __trap();
-        __nanosleep(64);
+        if (spin > (1ll << 23)) __trap();
+        __nanosleep(pause);
+        pause = min(2 * pause, 512u);
       }
     }
     __syncthreads();
@@ -234,14 +235,22 @@ _BODY_CUDA = r"""
     __syncwarp();
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (sl < S) {
-      const T* hr = h + (size_t)sl * F;
-      for (int bl = 0; bl < F / 32; ++bl) {
-        const int kb = bl * 32 + 4 * t;
-        const uint2 xa = __ldcg(reinterpret_cast<const uint2*>(hr + kb));
-        const uint2 xc = __ldcg(reinterpret_cast<const uint2*>(hr + kb + 16));
-        const int o = base + g * rbf + 18 * bl;
-        block_mma(acc, o, o + 8 * rbf, __byte_perm(xa.x, xa.y, 0x5410), __byte_perm(xa.x, xa.y, 0x7632),
-                  __byte_perm(xc.x, xc.y, 0x5410), __byte_perm(xc.x, xc.y, 0x7632));
+      const T* hr = h + (size_t)sl * F + 4 * t;
+      const int nb = F / 32;
+      for (int b0 = 0; b0 < nb; b0 += 4) {  // 4 blocks' h loads in flight at once (L2 round trips)
+        uint2 xa[4], xc[4];
+        _Pragma("unroll") for (int i = 0; i < 4; ++i) {
+          const int kb = (b0 + i < nb ? b0 + i : b0) * 32;
+          xa[i] = __ldcg(reinterpret_cast<const uint2*>(hr + kb));
+          xc[i] = __ldcg(reinterpret_cast<const uint2*>(hr + kb + 16));
+        }
+        _Pragma("unroll") for (int i = 0; i < 4; ++i) {
+          if (b0 + i < nb) {
+            const int o = base + g * rbf + 18 * (b0 + i);
+            block_mma(acc, o, o + 8 * rbf, __byte_perm(xa[i].x, xa[i].y, 0x5410), __byte_perm(xa[i].x, xa[i].y, 0x7632),
+                      __byte_perm(xc[i].x, xc[i].y, 0x5410), __byte_perm(xc[i].x, xc[i].y, 0x7632));
+          }
+        }
       }
     }
     if (t == 0) {
@@ -260,10 +269,10 @@ _BODY_CUDA = r"""
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    if (atomicAdd(ctr + 2, 1u) == gridDim.x - 1) {
-      atomicExch(ctr, 0u);
-      atomicExch(ctr + 1, 0u);
-      atomicExch(ctr + 2, 0u);
+    if (atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
+      atomicExch(tickets, 0u);
+      atomicExch(sets_done, 0u);
+      atomicExch(blocks_done, 0u);
       __threadfence();
     }
   }
@@ -274,9 +283,13 @@ _DEF = _KernelDef("g4_q4_0_moe_experts", "moe_experts", Q4_0, ("x", "ids", "wts"
                   {"metal": ("", ""), "cuda": (prelude("cuda") + _MMA_HEADER_CUDA + _STREAM_HEADER_CUDA, _BODY_CUDA)})  # fmt: skip
 
 
+COUNTER_WORDS = 96
+"""uint32 words of a call's counters: three counters 128 bytes apart."""
+
+
 def new_counters() -> mx.array:
-    """The zeroed uint32 [4] counters one sequence of q4_0_moe_experts calls shares (one per layer)."""
-    return mx.zeros((4,), dtype=mx.uint32)
+    """The zeroed uint32 [96] counters one sequence of q4_0_moe_experts calls shares (one per layer)."""
+    return mx.zeros((COUNTER_WORDS,), dtype=mx.uint32)
 
 
 def shared_bytes(slots: int, f: int, h: int, sets: int = SETS, warps: int = WARPS) -> int:
@@ -335,8 +348,9 @@ def q4_0_moe_experts(x: mx.array, ids: mx.array, weights: mx.array, gate_up_bloc
     """A MoE layer's Q4_0 experts (module doc) -> [..., H] in x.dtype: one launch where the family
     "moe_one_launch" is on and moe_experts_supported; else q4_0_gate_up_gather then q4_0_moe_down."""
     if use_kernel("moe_one_launch") and moe_experts_supported(x, ids, f, x.shape[-1]):
-        if counters.dtype != mx.uint32 or counters.shape != (4,):
-            raise ValueError(f"counters must be uint32 [4] (new_counters()), got {counters.dtype} {counters.shape}")
+        if counters.dtype != mx.uint32 or counters.shape != (COUNTER_WORDS,):
+            raise ValueError(f"counters must be uint32 [{COUNTER_WORDS}] (new_counters()), got {counters.dtype} "
+                             f"{counters.shape}")
         return launch_moe_experts(x, ids, weights, gate_up_blocks, down_blocks, counters, f)[0]
     gelu = q4_0_gate_up_gather(x, ids, gate_up_blocks, f)
     return q4_0_moe_down(gelu, ids, weights, down_blocks, x.shape[-1])
@@ -379,7 +393,7 @@ def _case(rng: np.random.Generator, slots: int, experts: int, f: int, h: int, se
     atol = 1e-5 * max(gelu_scale, out_scale) + flip
     return KernelCase(
         inputs={"x": x, "ids": ids.reshape(1, slots), "wts": wts.reshape(1, slots), "wgu": wgu, "wdn": wdn,
-                "counters": np.zeros(4, np.uint32)},
+                "counters": np.zeros(COUNTER_WORDS, np.uint32)},
         template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
         output_shapes=[(1, h), (slots, f)], output_dtypes=["bfloat16", "bfloat16"],
         expected=[out64.reshape(1, h), gelu64], rtol=rtol, atol=atol, input_dtypes=in_dt,
