@@ -122,32 +122,34 @@ _BODY_CUDA = r"""
     const int groups = rbh / 144;
     const int pieces = SETS * groups;
     const bool aligned = ((reinterpret_cast<size_t>(wgu) | (size_t)rbh) & 15) == 0;
-    for (int i = 0; i < PPW; ++i) {
-      const int p = warp + i * NW;
-      const int j = p / groups, c = p - j * groups;
-      const int q = ticket * SETS + j;
-      if (p >= pieces || q >= sets_total) continue;
+    // the ticket's 2 * SETS runs of 8 consecutive rows (gate and up of each set) are copied front
+    // to back, 512 contiguous bytes per warp instruction, into the pieces' layout
+    const int units = rbh / 16;  // 16-byte units per row
+    for (int run = 0; run < 2 * SETS; ++run) {
+      const int j = run >> 1, q = ticket * SETS + j;
+      if (q >= sets_total) break;
       const int slot = q / (F / 8);
       const int e = ids[slot];
-      // gate row f0 of the set's expert; its up rows start F rows further
-      const uint8_t* gate0 = wgu + ((size_t)((e >= 0 && e < E) ? e : 0) * 2 * F + (q - slot * (F / 8)) * 8) * rbh
-                             + (size_t)c * 144;
-      for (int cp = lane; cp < 16 * 9; cp += 32) {  // 16 rows x 9 copies of 16 bytes
-        const int r = cp / 9, w16 = cp - r * 9;
-        const uint8_t* src = gate0 + (size_t)(r < 8 ? r : F + r - 8) * rbh + w16 * 16;
-        const int dst = p * 2304 + r * 144 + w16 * 16;
-        if (aligned) {
-          g4_cp_async<16>(smem_addr + (uint32_t)dst, src);
-        } else {
-          _Pragma("unroll") for (int b = 0; b < 16; b += 2) {
-            reinterpret_cast<unsigned short*>(g4_smem)[(dst + b) >> 1] = g4_u16(src + b);
+      const uint8_t* rows8 = wgu + ((size_t)((e >= 0 && e < E) ? e : 0) * 2 * F + (run & 1) * F
+                                    + (q - slot * (F / 8)) * 8) * rbh;
+      for (int row = 0; row < 8; ++row) {
+        for (int col = (int)threadIdx.x; col < units; col += NW * 32) {
+          const int c = col / 9;  // 144-byte column group
+          const uint8_t* src = rows8 + (size_t)row * rbh + col * 16;
+          const int dst = (j * groups + c) * 2304 + ((run & 1) * 8 + row) * 144 + (col - c * 9) * 16;
+          if (aligned) {
+            g4_cp_async<16>(smem_addr + (uint32_t)dst, src);
+          } else {
+            _Pragma("unroll") for (int b = 0; b < 16; b += 2) {
+              reinterpret_cast<unsigned short*>(g4_smem)[(dst + b) >> 1] = g4_u16(src + b);
+            }
           }
         }
       }
     }
     g4_cp_async_commit();
     g4_cp_async_wait<0>();
-    __syncwarp();
+    __syncthreads();  // a warp reads pieces other warps copied
     const bool x8 = (reinterpret_cast<size_t>(x) & 7) == 0;
     float acc[SETS][4];
     _Pragma("unroll") for (int j = 0; j < SETS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -206,11 +208,15 @@ _BODY_CUDA = r"""
     const int e = sl < S ? ids[sl] : 0;
     const bool live = e >= 0 && e < E;
     const uint8_t* wrow = wdn + ((size_t)(live ? e : 0) * H + r0) * rbf;
-    const int words = rbf / 4;
+    const int words = 16 * rbf / 4;  // words of the warp's 16 rows
     const int base = warp * 16 * rbf;
-    if (sl < S) {
-      if (((reinterpret_cast<size_t>(wdn)) & 3) == 0) {
-        for (int cp = lane; cp < 16 * words; cp += 32) {
+    if (sl < S) {  // the 16 rows are contiguous: 16 * rbf bytes, 16-byte aligned with the stack
+      if (((reinterpret_cast<size_t>(wdn)) & 15) == 0) {
+        for (int cp = lane; cp < words / 4; cp += 32) {
+          g4_cp_async<16>(smem_addr + (uint32_t)(base + cp * 16), wrow + (size_t)cp * 16);
+        }
+      } else if (((reinterpret_cast<size_t>(wdn)) & 3) == 0) {
+        for (int cp = lane; cp < words; cp += 32) {
           g4_cp_async<4>(smem_addr + (uint32_t)(base + cp * 4), wrow + (size_t)cp * 4);
         }
       } else {
