@@ -11,7 +11,9 @@ halves, as the two-launch path rounds them.
 
 Why one launch: on the H200 a launch that binds a layer's expert stacks costs MLX's host 4-12 us
 (bench/NOTES.md, sessions 17-18), and the two-launch path measured 24.5-34.8 us per step back to
-back against the 11.6 us that 60% of the copy bandwidth allows for its 26.8 MB (26B-A4B).
+back against the 11.6 us that 60% of the copy bandwidth allows for its 26.8 MB (26B-A4B). Measured
+(session 19): 37 us of GPU time per call against the two launches' 39, bound by the latency of its
+own instructions (Nsight Compute: DRAM 15% busy); 26B-A4B decode gained from the launch it saves.
 
 How (threadgroups of 8 warps, taking tickets from ``counters`` in the order they start):
 

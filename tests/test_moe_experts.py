@@ -65,8 +65,9 @@ def test_plans():
 
 
 def test_routing_on_faked_cuda(monkeypatch):
-    """Faked CUDA (launch stubbed): the kernel only with the family opted in, bf16, one token, at
-    most 8 slots, H % 256 == 0 and F % 64 == 0; otherwise the two ops. Bad counters are an error."""
+    """Faked CUDA (launch stubbed): the kernel by default (a CUDA default since session 19) for bf16,
+    one token, at most 8 slots, H % 256 == 0 and F % 64 == 0; the two ops with the family in
+    KERNELS_OFF, for f32 or two tokens, and on Metal (no Metal text). Bad counters are an error."""
     rng = np.random.default_rng(4)
     gu, dn = _layer(rng)
     calls = []
@@ -76,20 +77,26 @@ def test_routing_on_faked_cuda(monkeypatch):
     monkeypatch.setattr(me, "launch_moe_experts", lambda x, *a, **k: calls.append(x.shape) or (mx.zeros(x.shape, x.dtype), None))
     monkeypatch.setattr(me, "q4_0_gate_up_gather", lambda x, ids, *a: calls.append("gate_up") or x)
     monkeypatch.setattr(me, "q4_0_moe_down", lambda x, *a: calls.append("down") or x)
-    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
-    monkeypatch.delenv(custom_kernels.KERNELS_ENV, raising=False)
+    for env in (custom_kernels.KERNELS_OFF_ENV, custom_kernels.KERNELS_ENV, custom_kernels.UNPROVEN_ENV):
+        monkeypatch.delenv(env, raising=False)
     x = mx.zeros((1, 256), mx.bfloat16)
     ids, wts = mx.array(np.array([[1, 2]], np.int32)), mx.ones((1, 2))
-    monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
-    me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)
-    assert calls == ["gate_up", "down"]  # opt-in
-    calls.clear()
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_one_launch")
     me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)
     assert calls == [(1, 256)]
     me.q4_0_moe_experts(x.astype(mx.float32), ids, wts, gu, dn, me.new_counters(), 64)  # f32: two ops
     me.q4_0_moe_experts(mx.zeros((2, 256), mx.bfloat16), mx.array(np.array([[1, 2], [0, 3]], np.int32)),
                         mx.ones((2, 2)), gu, dn, me.new_counters(), 64)  # two tokens: two ops  # fmt: skip
     assert calls == [(1, 256)] + ["gate_up", "down"] * 2
+    calls.clear()
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "moe_one_launch")
+    me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)
+    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV)
+    monkeypatch.setattr(me, "backend", lambda: "metal")
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "metal")
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_one_launch")  # opted in, but no Metal text
+    me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)
+    assert calls == ["gate_up", "down"] * 2
+    monkeypatch.setattr(me, "backend", lambda: "cuda")
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
     with pytest.raises(ValueError, match="counters"):
         me.q4_0_moe_experts(x, ids, wts, gu, dn, mx.zeros((4,), mx.int32), 64)

@@ -140,18 +140,19 @@ def test_expert_out_of_range(layer):
 
 
 def test_op_routes_by_family(layer, monkeypatch):
-    """q4_0_moe_experts takes the kernel with the family opted in, the two-launch path without it,
-    and the two-launch path for more than one token."""
+    """q4_0_moe_experts takes the kernel with the family on, the two-launch path with it in
+    KERNELS_OFF, and the two-launch path for more than one token."""
     rng = layer["rng"]
     x, ids, wts = _inputs(rng)
     args = (mx.array(ids[None]), mx.array(wts[None]), layer["gu_mx"], layer["dn_mx"], me.new_counters(), F)
     calls = []
     real = me.launch_moe_experts
     monkeypatch.setattr(me, "launch_moe_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "moe_one_launch")
     off = me.q4_0_moe_experts(x, *args)
     assert not calls
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_one_launch")
+    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV)
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_one_launch")  # on, default or not
     on = me.q4_0_moe_experts(x, *args)
     assert calls == [1]
     a, b = np.array(on.astype(mx.float32)), np.array(off.astype(mx.float32))
