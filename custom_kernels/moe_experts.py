@@ -44,7 +44,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from . import backend, cuda_arch, use_kernel
+from . import backend, cuda_arch, get_kernel, template_args, use_kernel
 from .dialect import prelude
 from .quant_matvec import (
     _MMA_HEADER_CUDA,
@@ -329,20 +329,26 @@ def moe_experts_supported(x: mx.array, ids: mx.array, f: int, h: int) -> bool:
 def launch_moe_experts(x: mx.array, ids: mx.array, weights: mx.array, gate_up_blocks: mx.array,
                        down_blocks: mx.array, counters: mx.array, f: int, sets: int = SETS) -> tuple[mx.array, mx.array]:  # fmt: skip
     """The kernel (no checks, no fallback; CUDA builds only) -> (out [..., H] like x, h [k, F])."""
-    h = x.shape[-1]
-    plan, smem = plan_moe_experts(ids.shape[-1], f, h, sets)
-    out, gelu = _run_two(plan, smem, [x, ids, weights.astype(mx.float32), gate_up_blocks, down_blocks, counters],
-                         [x.shape, (ids.shape[-1], f)])  # fmt: skip
+    plan, smem = plan_moe_experts(ids.shape[-1], f, x.shape[-1], sets)
+    kernel = get_kernel(_DEF.name, _DEF.input_names, _DEF.output_names, _DEF.text["metal"], _DEF.text["cuda"],
+                        cuda_shared_memory=smem)  # fmt: skip
+    out, gelu = kernel(inputs=[x, ids, weights.astype(mx.float32), gate_up_blocks, down_blocks, counters],
+                       template=template_args(plan.template), grid=plan.grid, threadgroup=plan.threadgroup,
+                       output_shapes=[x.shape, (ids.shape[-1], f)], output_dtypes=[mx.bfloat16, mx.bfloat16])  # fmt: skip
     return out, gelu
 
 
-def _run_two(plan: LaunchPlan, smem: int, inputs: list, shapes: list) -> list:
-    from . import get_kernel, template_args
-
-    kernel = get_kernel(_DEF.name, _DEF.input_names, _DEF.output_names, _DEF.text["metal"], _DEF.text["cuda"],
-                        cuda_shared_memory=smem)  # fmt: skip
-    return kernel(inputs=inputs, template=template_args(plan.template), grid=plan.grid,
-                  threadgroup=plan.threadgroup, output_shapes=shapes, output_dtypes=[mx.bfloat16, mx.bfloat16])  # fmt: skip
+def _check(x: mx.array, ids: mx.array, weights: mx.array, gate_up_blocks: mx.array, down_blocks: mx.array,
+           f: int) -> None:  # fmt: skip
+    h = x.shape[-1]
+    if ids.dtype != mx.int32 or ids.ndim < 1 or weights.shape != ids.shape or x.shape[:-1] != ids.shape[:-1]:
+        raise ValueError(f"moe_experts: x [..., H], ids int32 [..., k] and weights [..., k] with the same lead dims; "
+                         f"got x {x.shape}, ids {ids.dtype} {ids.shape}, weights {weights.shape}")  # fmt: skip
+    e = gate_up_blocks.shape[0] if gate_up_blocks.ndim == 3 else -1
+    want = ((e, 2 * f, row_bytes(Q4_0, h)), (e, h, row_bytes(Q4_0, f)))
+    if gate_up_blocks.dtype != mx.uint8 or down_blocks.dtype != mx.uint8 or (gate_up_blocks.shape, down_blocks.shape) != want:
+        raise ValueError(f"moe_experts: Q4_0 stacks must be uint8 gate|up [E, 2F, H/32*18] and down [E, H, F/32*18] "
+                         f"(F={f}, H={h}: {want}), got {gate_up_blocks.shape} and {down_blocks.shape}")  # fmt: skip
 
 
 def moe_experts_reference(x, ids, weights, gate_up_blocks, down_blocks, f: int) -> mx.array:
@@ -355,6 +361,7 @@ def q4_0_moe_experts(x: mx.array, ids: mx.array, weights: mx.array, gate_up_bloc
                      down_blocks: mx.array, counters: mx.array, f: int) -> mx.array:  # fmt: skip
     """A MoE layer's Q4_0 experts (module doc) -> [..., H] in x.dtype: one launch where the family
     "moe_one_launch" is on and moe_experts_supported; else q4_0_gate_up_gather then q4_0_moe_down."""
+    _check(x, ids, weights, gate_up_blocks, down_blocks, f)
     if use_kernel("moe_one_launch") and moe_experts_supported(x, ids, f, x.shape[-1]):
         if counters.dtype != mx.uint32 or counters.shape != (COUNTER_WORDS,):
             raise ValueError(f"counters must be uint32 [{COUNTER_WORDS}] (new_counters()), got {counters.dtype} "

@@ -100,3 +100,18 @@ def test_routing_on_faked_cuda(monkeypatch):
     monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
     with pytest.raises(ValueError, match="counters"):
         me.q4_0_moe_experts(x, ids, wts, gu, dn, mx.zeros((4,), mx.int32), 64)
+
+
+def test_bad_inputs_are_clear_errors():
+    """Stacks of the wrong shape or dtype, ids of another dtype or weights of another shape: a
+    ValueError naming what was expected, before any launch (a wrong stack would be read out of
+    bounds by the kernel)."""
+    rng = np.random.default_rng(6)
+    gu, dn = _layer(rng)
+    x = mx.zeros((1, 256), mx.bfloat16)
+    ids, wts = mx.array(np.array([[1, 2]], np.int32)), mx.ones((1, 2))
+    for bad in ((x, ids, wts, gu[:, :100], dn), (x, ids, wts, gu, dn[:, :, :30]), (x, ids, wts, gu, dn.astype(mx.int8)),
+                (x, ids.astype(mx.int64), wts, gu, dn), (x, ids, mx.ones((1, 3)), gu, dn),
+                (mx.zeros((1, 512), mx.bfloat16), ids, wts, gu, dn)):  # fmt: skip
+        with pytest.raises(ValueError, match="moe_experts"):
+            me.q4_0_moe_experts(*bad, me.new_counters(), 64)
