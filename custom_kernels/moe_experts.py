@@ -18,14 +18,14 @@ own instructions (Nsight Compute: DRAM 15% busy); 26B-A4B decode gained from the
 How (threadgroups of 8 warps, taking tickets from ``counters`` in the order they start):
 
 - tickets below TA = ceil(k * F / 8 / SETS) compute SETS sets of 8 GeGLU outputs (8 gate and 8 up
-  rows of one slot's expert): the set's 16 rows are copied whole into shared memory (16-byte
-  ``cp.async``, K / 256 pieces of 144 bytes per row, spread over the warps), each warp runs
-  mma.sync over its pieces (the stream kernels' block code: weights as A, x as B) and the warps'
-  f32 sums are added in warp order; h [k, F] bf16 is stored, then the set counts itself done;
+  rows of one slot's expert): the ticket's rows are copied front to back (16-byte ``cp.async``) into
+  shared memory as pieces of 16 rows x 144 bytes (K / 256 per set), each warp runs mma.sync over
+  its pieces (the stream kernels' block code: weights as A, x as B) and the warps' f32 sums are
+  added in warp order; h [k, F] bf16 is stored, then the ticket counts itself done;
 - the next TB = H / 16 tickets compute 16 output rows each: warp s copies slot s's 16 down rows
-  into shared memory at once (4-byte ``cp.async``), which overlaps the gate|up half, then waits until
-  all TA gate|up tickets are done, reads h through L2 (``ld.global.cg``: written in this launch),
-  and the slots' weighted f32 sums are added in slot order, rounded once;
+  (contiguous) into shared memory at once (16-byte ``cp.async``), which overlaps the gate|up half,
+  then waits until all TA gate|up tickets are done, reads h through L2 (``ld.global.cg``: written
+  in this launch), and the slots' weighted f32 sums are added in slot order, rounded once;
 - the last threadgroup to finish sets the counters back to zero for the next call.
 
 A ticket is only taken by a running threadgroup and every down ticket comes after every gate|up
@@ -53,7 +53,6 @@ from .quant_matvec import (
     Q4_0,
     LaunchPlan,
     _KernelDef,
-    _run,
     gate_up_gather_reference,
     moe_down_reference,
     q4_0_gate_up_gather,
