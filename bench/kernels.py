@@ -564,12 +564,14 @@ def expert_case(model, ex, h, dtype, quick, on_gpu, stream_configs=None, with_ml
                     gu, dn = layers[i]
                     return qm.launch_down_sum_stream(qm.launch_gate_up_stream(v, ids[i], gu, f), ids[i], wts, dn, h)
 
-                def one(i, v):
+                def one(i, v, sets=None):
                     gu, dn = layers[i]
-                    return me.launch_moe_experts(v, ids[i], wts, gu, dn, counters[i], f)[0]
+                    return me.launch_moe_experts(v, ids[i], wts, gu, dn, counters[i], f, sets)[0]
 
                 variants += [("gate_up+down_sum_stream, chained", chained(two), None),
                              ("moe_experts (1 launch), chained", chained(one), None)]  # fmt: skip
+                variants += [(f"moe_experts sets={n}, chained", chained(lambda i, v, n=n: one(i, v, n)), None)
+                             for n in (1, 3) if n != me.SETS]  # the geometry's one knob (same text)  # fmt: skip
     for impl, fn, cfg in variants:
         calls = [lambda i=i, fn=fn: fn(i) for i in range(sets)]
         extra = {} if cfg is None else {"config": [cfg.tiles, cfg.warps, cfg.stages, cfg.group_blocks, int(cfg.rotate)]}

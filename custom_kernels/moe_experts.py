@@ -40,11 +40,12 @@ in the two-launch kernels.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from . import backend, cuda_arch, get_kernel, template_args, use_kernel
+from . import backend, cuda_arch, geometry_override, get_kernel, template_args, use_kernel
 from .dialect import prelude
 from .quant_matvec import (
     _MMA_HEADER_CUDA,
@@ -70,6 +71,19 @@ SETS = 2
 """GeGLU sets (8 outputs, 16 weight rows) per gate|up ticket. 26B-A4B (F = 704, 8 slots): 352
 gate|up and 176 down tickets, 528 threadgroups of 50.7 KB of staged weights, 4 per SM of the
 H200's 132: every threadgroup resident at once."""
+
+MOE_GEOMETRY_ENV = "GEMMA4_MLX_MOE_GEOMETRY"
+"""MoeConfig fields of the one-launch kernel, e.g. "sets=1" (a template value of the pinned text:
+tuning without a new kernel text)."""
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    sets: int = SETS  # GeGLU sets per gate|up ticket
+
+    def __post_init__(self):
+        if not 1 <= self.sets <= 4:
+            raise ValueError(f"sets must be 1..4, got {self.sets}")
 
 _PIECE = 16 * 144  # staged bytes of one gate|up piece: 16 rows x 8 blocks
 
@@ -326,8 +340,10 @@ def moe_experts_supported(x: mx.array, ids: mx.array, f: int, h: int) -> bool:
 
 
 def launch_moe_experts(x: mx.array, ids: mx.array, weights: mx.array, gate_up_blocks: mx.array,
-                       down_blocks: mx.array, counters: mx.array, f: int, sets: int = SETS) -> tuple[mx.array, mx.array]:  # fmt: skip
-    """The kernel (no checks, no fallback; CUDA builds only) -> (out [..., H] like x, h [k, F])."""
+                       down_blocks: mx.array, counters: mx.array, f: int, sets: int | None = None) -> tuple[mx.array, mx.array]:  # fmt: skip
+    """The kernel (no checks, no fallback; CUDA builds only) -> (out [..., H] like x, h [k, F]);
+    sets: GeGLU sets per gate|up ticket (default MoeConfig's, GEMMA4_MLX_MOE_GEOMETRY)."""
+    sets = sets or geometry_override(MoeConfig(), MOE_GEOMETRY_ENV).sets
     plan, smem = plan_moe_experts(ids.shape[-1], f, x.shape[-1], sets)
     kernel = get_kernel(_DEF.name, _DEF.input_names, _DEF.output_names, _DEF.text["metal"], _DEF.text["cuda"],
                         cuda_shared_memory=smem)  # fmt: skip

@@ -115,3 +115,25 @@ def test_bad_inputs_are_clear_errors():
                 (mx.zeros((1, 512), mx.bfloat16), ids, wts, gu, dn)):  # fmt: skip
         with pytest.raises(ValueError, match="moe_experts"):
             me.q4_0_moe_experts(*bad, me.new_counters(), 64)
+
+
+def test_geometry_override(monkeypatch):
+    """GEMMA4_MLX_MOE_GEOMETRY=sets=N picks the gate|up sets per ticket (a template value of the
+    same text); bad values are errors."""
+    class Planned(Exception):
+        pass
+
+    def plan(k, f, h, sets):
+        raise Planned(sets)
+
+    monkeypatch.setattr(me, "plan_moe_experts", plan)
+    args = (mx.zeros((1, 256), mx.bfloat16), mx.zeros((1, 2), mx.int32), mx.ones((1, 2)), None, None, None, 64)
+    for env, want in (("", me.SETS), ("sets=1", 1), ("sets=3", 3)):
+        monkeypatch.setenv(me.MOE_GEOMETRY_ENV, env)
+        with pytest.raises(Planned) as got:
+            me.launch_moe_experts(*args)
+        assert got.value.args == (want,)
+    for bad in ("sets=0", "sets=5", "warps=4"):
+        monkeypatch.setenv(me.MOE_GEOMETRY_ENV, bad)
+        with pytest.raises(ValueError, match="GEMMA4_MLX_MOE_GEOMETRY"):
+            me.launch_moe_experts(*args)
