@@ -549,7 +549,9 @@ def expert_case(model, ex, h, dtype, quick, on_gpu, stream_configs=None, with_ml
             variants += [("q4_0_gate_up+gather+wsum (mlx)", old_summed, None), ("q4_0_gate_up+down_sum_stream", fused, None)]
             if dtype == mx.bfloat16 and me.moe_experts_supported(x, ids[0], f, h):
                 # as in a decode step, each call's x is the previous call's output (one chain per
-                # round): the one-launch kernel's counters serve calls that run one after another
+                # round): the one-launch kernel's counters serve calls that run one after another.
+                # The values are not renormalized (they drift to inf / NaN): no kernel's time
+                # depends on them, and a normalization would add launches to the rows.
                 counters = [me.new_counters() for _ in range(sets)]
                 state = [x]
 

@@ -56,18 +56,28 @@ def test_plans():
     plan, smem = me.plan_moe_experts(8, 704, 2816)  # 26B-A4B: 352 gate|up + 176 down tickets
     assert plan.grid == (528 * 256, 1, 1) and plan.threadgroup == (256, 1, 1)
     assert dict(plan.template)["PPW"] == 3 and smem == 8 * 16 * 396 + 16 == 2 * 11 * 2304 + 16
+    assert dict(plan.template)["SMEM"] == smem  # each shared size its own instantiation
+    assert me.plan_moe_experts(8, 704, 2816, sets=1)[1] == smem  # the down half's rows set it here
+    assert me.plan_moe_experts(2, 96, 256)[1] == 8 * 16 * 54 + 16
     plan, smem = me.plan_moe_experts(3, 64, 256, sets=2)  # 24 sets -> 12 tickets, 16 down tickets
     assert plan.grid == (28 * 256, 1, 1) and dict(plan.template)["PPW"] == 1
     with pytest.raises(ValueError, match="at most 8"):
         me.plan_moe_experts(9, 704, 2816)
     with pytest.raises(ValueError, match="H % 256"):
         me.plan_moe_experts(8, 704, 2880)
+    with pytest.raises(ValueError, match="F % 32"):
+        me.plan_moe_experts(8, 80, 2816)
+    with pytest.raises(ValueError, match="shared memory"):
+        me.plan_moe_experts(8, 4096, 2816)  # the staged down rows would not fit
+    with pytest.raises(ValueError, match="sets"):
+        me.plan_moe_experts(8, 704, 2816, sets=5)
 
 
 def test_routing_on_faked_cuda(monkeypatch):
-    """Faked CUDA (launch stubbed): the kernel by default (a CUDA default since session 19) for bf16,
-    one token, at most 8 slots, H % 256 == 0 and F % 64 == 0; the two ops with the family in
-    KERNELS_OFF, for f32 or two tokens, and on Metal (no Metal text). Bad counters are an error."""
+    """Faked CUDA (launch stubbed): the kernel only with the family opted in (not a default until a
+    model-level GPU run takes it), bf16, one token, at most 8 slots, H % 256 == 0 and F % 32 == 0;
+    the two ops otherwise, with the family in KERNELS_OFF, and on Metal (no Metal text). Bad
+    counters are an error."""
     rng = np.random.default_rng(4)
     gu, dn = _layer(rng)
     calls = []
@@ -82,19 +92,26 @@ def test_routing_on_faked_cuda(monkeypatch):
     x = mx.zeros((1, 256), mx.bfloat16)
     ids, wts = mx.array(np.array([[1, 2]], np.int32)), mx.ones((1, 2))
     me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)
+    assert calls == ["gate_up", "down"]  # opt-in
+    calls.clear()
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_one_launch")
+    me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)
     assert calls == [(1, 256)]
     me.q4_0_moe_experts(x.astype(mx.float32), ids, wts, gu, dn, me.new_counters(), 64)  # f32: two ops
     me.q4_0_moe_experts(mx.zeros((2, 256), mx.bfloat16), mx.array(np.array([[1, 2], [0, 3]], np.int32)),
                         mx.ones((2, 2)), gu, dn, me.new_counters(), 64)  # two tokens: two ops  # fmt: skip
     assert calls == [(1, 256)] + ["gate_up", "down"] * 2
     calls.clear()
+    gu96, dn96 = _layer(rng, f=96)  # F = 96 (the MoE fixture's): the kernel
+    me.q4_0_moe_experts(x, ids, wts, gu96, dn96, me.new_counters(), 96)
+    assert calls == [(1, 256)]
+    calls.clear()
     monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "moe_one_launch")
     me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)
     monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV)
     monkeypatch.setattr(me, "backend", lambda: "metal")
     monkeypatch.setattr(custom_kernels, "backend", lambda: "metal")
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_one_launch")  # opted in, but no Metal text
-    me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)
+    me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)  # opted in, but no Metal text
     assert calls == ["gate_up", "down"] * 2
     monkeypatch.setattr(me, "backend", lambda: "cuda")
     monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")

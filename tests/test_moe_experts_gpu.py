@@ -111,14 +111,38 @@ def _misaligned(raw: np.ndarray, offset: int) -> mx.array:
 
 
 def test_misaligned_inputs(layer):
-    """x 2 bytes off 8-byte alignment, expert stacks 2 bytes off 16 / 4: the copy fallbacks."""
+    """x 2 bytes off 8-byte alignment, expert stacks 2 or 4 bytes off 16: the copy fallbacks (2-byte
+    loads; the down rows' 4-byte copies)."""
     rng = layer["rng"]
     x, ids, wts = _inputs(rng)
     x_off = mx.concatenate([mx.zeros((1,), mx.bfloat16), x.reshape(-1)])[1:].reshape(1, H)
-    out, gelu = me.launch_moe_experts(x_off, mx.array(ids[None]), mx.array(wts[None]), _misaligned(layer["gu"], 2),
-                                      _misaligned(layer["dn"], 2), me.new_counters(), F)  # fmt: skip
-    mx.eval(out, gelu)
-    _check_against_f64(layer, x, ids, wts, out, gelu)
+    for offset in (2, 4):
+        out, gelu = me.launch_moe_experts(x_off, mx.array(ids[None]), mx.array(wts[None]), _misaligned(layer["gu"], offset),
+                                          _misaligned(layer["dn"], offset), me.new_counters(), F)  # fmt: skip
+        mx.eval(out, gelu)
+        _check_against_f64(layer, x, ids, wts, out, gelu)
+
+
+def test_fixture_shape():
+    """The MoE fixture's shapes (H = 256, F = 96, 2 of 8 experts), where F is not a multiple of 64:
+    against float64, as the model-level test then runs it."""
+    rng = np.random.default_rng(43)
+    f, h, e = 96, 256, 8
+    gu, dn = qm.random_blocks(rng, qm.Q4_0, (e, 2 * f), h), qm.random_blocks(rng, qm.Q4_0, (e, h), f)
+    gu64, dn64 = qm.dequantize_f64(gu, qm.Q4_0), qm.dequantize_f64(dn, qm.Q4_0)
+    x = mx.array(rng.standard_normal((1, h)).astype(np.float32)).astype(mx.bfloat16)
+    ids, wts = rng.permutation(e)[:2].astype(np.int32), rng.random(2).astype(np.float32)
+    out, gelu = me.launch_moe_experts(x, mx.array(ids[None]), mx.array(wts[None]), mx.array(gu), mx.array(dn),
+                                      me.new_counters(), f)  # fmt: skip
+    x64 = np.array(x.astype(mx.float32)).astype(np.float64)[0]
+    g, u = gu64[ids][:, :f] @ x64, gu64[ids][:, f:] @ x64
+    gm, um = np.abs(gu64[ids][:, :f]) @ np.abs(x64), np.abs(gu64[ids][:, f:]) @ np.abs(x64)
+    h_got = np.array(gelu.astype(mx.float32)).astype(np.float64)
+    assert (np.abs(h_got - _gelu(g) * u) / ((np.abs(g) + gm) * (np.abs(u) + um))).max() <= 2**-8
+    want = np.einsum("s,shf,sf->h", wts.astype(np.float64), dn64[ids], h_got)
+    bound = np.einsum("s,shf,sf->h", wts.astype(np.float64), np.abs(dn64[ids]), np.abs(h_got))
+    got = np.array(out.astype(mx.float32)).astype(np.float64).reshape(-1)
+    assert (np.abs(got - want) / bound).max() <= 2**-8
 
 
 def test_expert_out_of_range(layer):
@@ -140,7 +164,7 @@ def test_expert_out_of_range(layer):
 
 
 def test_op_routes_by_family(layer, monkeypatch):
-    """q4_0_moe_experts takes the kernel with the family on, the two-launch path with it in
+    """q4_0_moe_experts takes the kernel with the family opted in, the two-launch path with it in
     KERNELS_OFF, and the two-launch path for more than one token."""
     rng = layer["rng"]
     x, ids, wts = _inputs(rng)
@@ -152,7 +176,7 @@ def test_op_routes_by_family(layer, monkeypatch):
     off = me.q4_0_moe_experts(x, *args)
     assert not calls
     monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV)
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_one_launch")  # on, default or not
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_one_launch")
     on = me.q4_0_moe_experts(x, *args)
     assert calls == [1]
     a, b = np.array(on.astype(mx.float32)), np.array(off.astype(mx.float32))
