@@ -126,10 +126,10 @@ _BODY_CUDA = r"""
     uint32_t u[2];
     float d[2];
     const int os[2] = {o0, o1};
-    _Pragma("unroll") for (int h = 0; h < 2; ++h) {
-      d[h] = g4_half_bits(S16[os[h] >> 1]);
-      const int ob = os[h] + 2 + 4 * t;  // qs[4t .. 4t+3], 2-byte aligned
-      u[h] = __funnelshift_r(g4_smem[ob >> 2], g4_smem[(ob >> 2) + 1], (ob & 3) * 8);
+    _Pragma("unroll") for (int r = 0; r < 2; ++r) {  // (not h: the output of that name)
+      d[r] = g4_half_bits(S16[os[r] >> 1]);
+      const int ob = os[r] + 2 + 4 * t;  // qs[4t .. 4t+3], 2-byte aligned
+      u[r] = __funnelshift_r(g4_smem[ob >> 2], g4_smem[(ob >> 2) + 1], (ob & 3) * 8);
     }
     float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     g4_mma_bf16(part, g4_q4w_lo_even(u[0]), g4_q4w_lo_even(u[1]), g4_q4w_lo_odd(u[0]), g4_q4w_lo_odd(u[1]), b00, b01);
