@@ -12,6 +12,7 @@ import pytest
 import custom_kernels
 from custom_kernels import moe_experts as me
 from custom_kernels import quant_matvec as qm
+from test_kernels_gpu import _misaligned  # noqa: E402  (the same bytes at an offset)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,10 +21,6 @@ pytestmark = [
 ]
 
 E, SLOTS, F, H = 16, 8, 704, 2816  # 26B-A4B's expert shapes, 16 of its 128 experts
-
-
-def _gelu(v):
-    return 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v**3)))
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +43,12 @@ def _check_against_f64(layer, x, ids, wts, out, gelu):
     read), both to bf16 output rounding relative to the sums of magnitudes."""
     x64 = np.array(x.astype(mx.float32)).astype(np.float64)[0]
     w = layer["gu64"][ids]  # [k, 2F, H]
-    g, u = w[:, :F] @ x64, w[:, F:] @ x64
-    gm, um = np.abs(w[:, :F]) @ np.abs(x64), np.abs(w[:, F:]) @ np.abs(x64)
+    f = w.shape[1] // 2
+    g, u = w[:, :f] @ x64, w[:, f:] @ x64
+    gm, um = np.abs(w[:, :f]) @ np.abs(x64), np.abs(w[:, f:]) @ np.abs(x64)
     h_got = np.array(gelu.astype(mx.float32)).astype(np.float64)
     assert not np.isnan(h_got).any()
-    rel = np.abs(h_got - _gelu(g) * u) / ((np.abs(g) + gm) * (np.abs(u) + um))
+    rel = np.abs(h_got - qm._gelu_tanh_f64(g) * u) / ((np.abs(g) + gm) * (np.abs(u) + um))
     assert rel.max() <= 2**-8, f"h: relative error {rel.max():.3g}"
     d = layer["dn64"][ids]  # [k, H, F]
     want = np.einsum("s,shf,sf->h", wts.astype(np.float64), d, h_got)
@@ -105,11 +103,6 @@ def test_calls_one_after_another_and_chained(layer):
     assert not np.array(counters).any()
 
 
-def _misaligned(raw: np.ndarray, offset: int) -> mx.array:
-    flat = mx.array(np.concatenate([np.zeros(offset, np.uint8), raw.reshape(-1)]))
-    return flat[offset:].reshape(raw.shape)
-
-
 def test_misaligned_inputs(layer):
     """x 2 bytes off 8-byte alignment, expert stacks 2 or 4 bytes off 16: the copy fallbacks (2-byte
     loads; the down rows' 4-byte copies)."""
@@ -134,15 +127,7 @@ def test_fixture_shape():
     ids, wts = rng.permutation(e)[:2].astype(np.int32), rng.random(2).astype(np.float32)
     out, gelu = me.launch_moe_experts(x, mx.array(ids[None]), mx.array(wts[None]), mx.array(gu), mx.array(dn),
                                       me.new_counters(), f)  # fmt: skip
-    x64 = np.array(x.astype(mx.float32)).astype(np.float64)[0]
-    g, u = gu64[ids][:, :f] @ x64, gu64[ids][:, f:] @ x64
-    gm, um = np.abs(gu64[ids][:, :f]) @ np.abs(x64), np.abs(gu64[ids][:, f:]) @ np.abs(x64)
-    h_got = np.array(gelu.astype(mx.float32)).astype(np.float64)
-    assert (np.abs(h_got - _gelu(g) * u) / ((np.abs(g) + gm) * (np.abs(u) + um))).max() <= 2**-8
-    want = np.einsum("s,shf,sf->h", wts.astype(np.float64), dn64[ids], h_got)
-    bound = np.einsum("s,shf,sf->h", wts.astype(np.float64), np.abs(dn64[ids]), np.abs(h_got))
-    got = np.array(out.astype(mx.float32)).astype(np.float64).reshape(-1)
-    assert (np.abs(got - want) / bound).max() <= 2**-8
+    _check_against_f64(dict(gu64=gu64, dn64=dn64), x, ids, wts, out, gelu)
 
 
 def test_expert_out_of_range(layer):
