@@ -457,6 +457,8 @@ def runs_variants(kind: str, n: int, k: int) -> list:
 
 RUNS_M_VARIANTS = tuple(qm.RunsMConfig(w, s) for w, s in ((1, 2), (2, 2), (4, 2), (8, 2), (2, 3), (4, 3)))
 """Geometries (warps, stages) of the runs16m kernels timed at every M."""
+MOE_VARIANTS = tuple(me.MoeConfig(s, w) for w in (8, 16) for s in (2, 3, 4))
+"""One-launch expert kernel geometries timed as rows (the default is the plain row)."""
 
 
 def _runs_m_impl(prefix: str, cfg) -> str:
@@ -566,14 +568,15 @@ def expert_case(model, ex, h, dtype, quick, on_gpu, stream_configs=None, with_ml
                     gu, dn = layers[i]
                     return qm.launch_down_sum_stream(qm.launch_gate_up_stream(v, ids[i], gu, f), ids[i], wts, dn, h)
 
-                def one(i, v, sets=None):
+                def one(i, v, cfg=None):
                     gu, dn = layers[i]
-                    return me.launch_moe_experts(v, ids[i], wts, gu, dn, counters[i], f, sets)[0]
+                    return me.launch_moe_experts(v, ids[i], wts, gu, dn, counters[i], f, cfg)[0]
 
                 variants += [("gate_up+down_sum_stream, chained", chained(two), None),
                              ("moe_experts (1 launch), chained", chained(one), None)]  # fmt: skip
-                variants += [(f"moe_experts sets={n}, chained", chained(lambda i, v, n=n: one(i, v, n)), None)
-                             for n in (1, 3) if n != me.SETS]  # the geometry's one knob (same text)  # fmt: skip
+                # the geometry's knobs (template values of the same text)
+                variants += [(f"moe_experts sets={c.sets} warps={c.warps}, chained", chained(lambda i, v, c=c: one(i, v, c)), None)
+                             for c in MOE_VARIANTS if c != me.MoeConfig()]  # fmt: skip
     for impl, fn, cfg in variants:
         calls = [lambda i=i, fn=fn: fn(i) for i in range(sets)]
         extra = {} if cfg is None else {"config": [cfg.tiles, cfg.warps, cfg.stages, cfg.group_blocks, int(cfg.rotate)]}

@@ -64,38 +64,46 @@ from .quant_matvec import (
 __all__ = ["q4_0_moe_experts", "moe_experts_reference", "moe_experts_supported", "launch_moe_experts",
            "plan_moe_experts", "new_counters", "kernel_specs"]  # fmt: skip
 
-WARPS = 8
-"""Warps per threadgroup; down tickets give one warp per slot, so at most 8 slots."""
+MAX_SLOTS = 8
+"""Slots a call may have: a down ticket gives each slot NW / 8 of its warps."""
 
 SETS = 2
 """GeGLU sets (8 outputs, 16 weight rows) per gate|up ticket. 26B-A4B (F = 704, 8 slots): 352
 gate|up and 176 down tickets, 528 threadgroups of 50.7 KB of staged weights, 4 per SM of the
 H200's 132: every threadgroup resident at once."""
 
+WARPS = 8
+"""Warps per threadgroup (8 or 16)."""
+
 MOE_GEOMETRY_ENV = "GEMMA4_MLX_MOE_GEOMETRY"
-"""MoeConfig fields of the one-launch kernel, e.g. "sets=1" (a template value of the pinned text:
-tuning without a new kernel text)."""
+"""MoeConfig fields of the one-launch kernel, e.g. "sets=3,warps=16" (template values of the
+pinned text: tuning without a new kernel text)."""
 
 
 @dataclass(frozen=True)
 class MoeConfig:
     sets: int = SETS  # GeGLU sets per gate|up ticket
+    warps: int = WARPS  # warps per threadgroup
 
     def __post_init__(self):
         if not 1 <= self.sets <= 4:
             raise ValueError(f"sets must be 1..4, got {self.sets}")
+        if self.warps not in (8, 16):
+            raise ValueError(f"warps must be 8 or 16, got {self.warps}")
 
 _PIECE = 16 * 144  # staged bytes of one gate|up piece: 16 rows x 8 blocks
 
 SHARED_LIMIT = 200 * 1024
 """Dynamic shared memory a block may ask for (the H200 allows 227 KB)."""
 
-# Template: T (bfloat16), NW (warps), SETS (GeGLU sets per gate|up ticket), PPW (pieces per warp:
-# ceil(SETS * H / 256 / NW)), S (slots), SMEM (the dynamic shared bytes: unused by the text, but it
-# makes each size its own instantiation, and MLX sets a kernel's shared-memory limit when it loads it).
+# Template: T (bfloat16), NW (warps: 8 or 16), SETS (GeGLU sets per gate|up ticket), S (slots), SMEM
+# (the dynamic shared bytes: unused by the text, but it makes each size its own instantiation, and MLX
+# sets a kernel's shared-memory limit when it loads it).
 _BODY_CUDA = r"""
   // gemma4-mlx q4_0 MoE experts in one launch (CUDA): gate|up + GeGLU, then down + weighted sum
   static_assert(SMEM >= 16, "SMEM: the dynamic shared bytes this instantiation is launched with");
+  static_assert(NW == 8 || NW == 16, "NW: 8 or 16 warps");
+  constexpr int KS = NW / 8;  // down tickets: warps per slot, each over its part of the slot's blocks
   extern __shared__ __align__(16) uint32_t g4_smem[];
   __shared__ float g4_red[NW][SETS][16];
   __shared__ int g4_ticket;
@@ -138,25 +146,23 @@ _BODY_CUDA = r"""
     acc[2] += d[1] * part[2];
   };
   if (ticket < TA) {
-    // gate|up: piece p = (set j, 144-byte column group c) of this ticket's SETS sets
+    // gate|up: set j of the ticket is 16 rows (8 gate, the 8 up rows F further), staged as pieces
+    // (j, c) of 16 rows x 144 bytes (8 blocks); one cp.async group per set, so set j's pieces are
+    // multiplied while the later sets are still in flight
     const int groups = rbh / 144;
-    const int pieces = SETS * groups;
     const bool aligned = ((reinterpret_cast<size_t>(wgu) | (size_t)rbh) & 15) == 0;
-    // the ticket's 2 * SETS runs of 8 consecutive rows (gate and up of each set) are copied front
-    // to back, 512 contiguous bytes per warp instruction, into the pieces' layout
     const int units = rbh / 16;  // 16-byte units per row
-    for (int run = 0; run < 2 * SETS; ++run) {
-      const int j = run >> 1, q = ticket * SETS + j;
-      if (q >= sets_total) break;
-      const int slot = q / (F / 8);
-      const int e = ids[slot];
-      const uint8_t* rows8 = wgu + ((size_t)((e >= 0 && e < E) ? e : 0) * 2 * F + (run & 1) * F
-                                    + (q - slot * (F / 8)) * 8) * rbh;
-      for (int row = 0; row < 8; ++row) {
-        for (int col = (int)threadIdx.x; col < units; col += NW * 32) {
+    for (int j = 0; j < SETS; ++j) {
+      const int q = ticket * SETS + j;
+      if (q < sets_total) {
+        const int slot = q / (F / 8);
+        const int e = ids[slot];
+        const size_t row0 = (size_t)((e >= 0 && e < E) ? e : 0) * 2 * F + (q - slot * (F / 8)) * 8;
+        for (int i = (int)threadIdx.x; i < 16 * units; i += NW * 32) {  // front to back, row by row
+          const int r = i / units, col = i - r * units;
           const int c = col / 9;  // 144-byte column group
-          const uint8_t* src = rows8 + (size_t)row * rbh + col * 16;
-          const int dst = (j * groups + c) * 2304 + ((run & 1) * 8 + row) * 144 + (col - c * 9) * 16;
+          const uint8_t* src = wgu + (row0 + (r >> 3) * F + (r & 7)) * rbh + col * 16;
+          const int dst = (j * groups + c) * 2304 + r * 144 + (col - c * 9) * 16;
           if (aligned) {
             g4_cp_async<16>(smem_addr + (uint32_t)dst, src);
           } else {
@@ -166,37 +172,38 @@ _BODY_CUDA = r"""
           }
         }
       }
+      g4_cp_async_commit();
     }
-    g4_cp_async_commit();
-    g4_cp_async_wait<0>();
-    __syncthreads();  // a warp reads pieces other warps copied
     const bool x8 = (reinterpret_cast<size_t>(x) & 7) == 0;
     float acc[SETS][4];
-    _Pragma("unroll") for (int j = 0; j < SETS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-    for (int i = 0; i < PPW; ++i) {
-      const int p = warp + i * NW;
-      const int j = p / groups, c = p - j * groups;
-      if (p >= pieces || ticket * SETS + j >= sets_total) continue;
-      float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      _Pragma("unroll") for (int bl = 0; bl < 8; ++bl) {
-        const int kb = (c * 8 + bl) * 32 + 4 * t;
-        uint2 xa, xc;
-        if (x8) {
-          xa = __ldg(reinterpret_cast<const uint2*>(x + kb));       // x[4t .. 4t+3]
-          xc = __ldg(reinterpret_cast<const uint2*>(x + kb + 16));  // x[16+4t ..]
-        } else {
-          const unsigned short* x16 = reinterpret_cast<const unsigned short*>(x);
-          xa = make_uint2((uint32_t)__ldg(x16 + kb) | ((uint32_t)__ldg(x16 + kb + 1) << 16),
-                          (uint32_t)__ldg(x16 + kb + 2) | ((uint32_t)__ldg(x16 + kb + 3) << 16));
-          xc = make_uint2((uint32_t)__ldg(x16 + kb + 16) | ((uint32_t)__ldg(x16 + kb + 17) << 16),
-                          (uint32_t)__ldg(x16 + kb + 18) | ((uint32_t)__ldg(x16 + kb + 19) << 16));
+    _Pragma("unroll") for (int j = 0; j < SETS; ++j) {
+      acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+      g4_cp_async_wait_upto(SETS - 1 - j);  // set j's group has landed
+      __syncthreads();  // a warp reads pieces other warps copied
+      if (ticket * SETS + j >= sets_total) continue;  // the same for the whole block
+      // the ticket's pieces go to the warps in turn across its sets: p = j * groups + c -> warp p % NW
+      for (int c = ((warp - j * groups) % NW + NW) % NW; c < groups; c += NW) {
+        const int p = j * groups + c;
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        _Pragma("unroll 4") for (int bl = 0; bl < 8; ++bl) {
+          const int kb = (c * 8 + bl) * 32 + 4 * t;
+          uint2 xa, xc;
+          if (x8) {
+            xa = __ldg(reinterpret_cast<const uint2*>(x + kb));       // x[4t .. 4t+3]
+            xc = __ldg(reinterpret_cast<const uint2*>(x + kb + 16));  // x[16+4t ..]
+          } else {
+            const unsigned short* x16 = reinterpret_cast<const unsigned short*>(x);
+            xa = make_uint2((uint32_t)__ldg(x16 + kb) | ((uint32_t)__ldg(x16 + kb + 1) << 16),
+                            (uint32_t)__ldg(x16 + kb + 2) | ((uint32_t)__ldg(x16 + kb + 3) << 16));
+            xc = make_uint2((uint32_t)__ldg(x16 + kb + 16) | ((uint32_t)__ldg(x16 + kb + 17) << 16),
+                            (uint32_t)__ldg(x16 + kb + 18) | ((uint32_t)__ldg(x16 + kb + 19) << 16));
+          }
+          const int o = p * 2304 + g * 144 + 18 * bl;
+          block_mma(a, o, o + 8 * 144, __byte_perm(xa.x, xa.y, 0x5410), __byte_perm(xa.x, xa.y, 0x7632),
+                    __byte_perm(xc.x, xc.y, 0x5410), __byte_perm(xc.x, xc.y, 0x7632));
         }
-        const int o = p * 2304 + g * 144 + 18 * bl;
-        block_mma(a, o, o + 8 * 144, __byte_perm(xa.x, xa.y, 0x5410), __byte_perm(xa.x, xa.y, 0x7632),
-                  __byte_perm(xc.x, xc.y, 0x5410), __byte_perm(xc.x, xc.y, 0x7632));
-      }
-      _Pragma("unroll") for (int jj = 0; jj < SETS; ++jj) {
-        if (jj == j) { acc[jj][0] += a[0]; acc[jj][2] += a[2]; }
+        acc[j][0] += a[0];
+        acc[j][2] += a[2];
       }
     }
     if (t == 0) {
@@ -224,25 +231,28 @@ _BODY_CUDA = r"""
       atomicAdd(sets_done, 1u);
     }
   } else if (ticket < TA + TB) {
-    // down: warp = slot, 16 output rows from r0; stage the rows before waiting for h
+    // down: 16 output rows from r0; warp (slot sl, part ks) multiplies blocks [ks nb / KS, (ks + 1)
+    // nb / KS) of slot sl's rows. The rows are staged before the wait, h [S, F] after it.
     const int r0 = (ticket - TA) * 16;
-    const int sl = warp;
+    const int sl = warp & 7, ks = warp >> 3;
     const int e = sl < S ? ids[sl] : 0;
     const bool live = e >= 0 && e < E;
     const uint8_t* wrow = wdn + ((size_t)(live ? e : 0) * H + r0) * rbf;
-    const int words = 16 * rbf / 4;  // words of the warp's 16 rows
-    const int base = warp * 16 * rbf;
+    const int words = 16 * rbf / 4;  // words of a slot's 16 rows
+    const int base = sl * 16 * rbf;
+    const int hoff = S * 16 * rbf;   // byte offset of the staged h (a multiple of 16)
     if (sl < S) {  // the 16 rows are contiguous: 16 * rbf bytes, 16-byte aligned with the stack
+      const int lt = ks * 32 + lane;  // the slot's KS warps share the copy
       if (((reinterpret_cast<size_t>(wdn)) & 15) == 0) {
-        for (int cp = lane; cp < words / 4; cp += 32) {
+        for (int cp = lt; cp < words / 4; cp += KS * 32) {
           g4_cp_async<16>(smem_addr + (uint32_t)(base + cp * 16), wrow + (size_t)cp * 16);
         }
       } else if (((reinterpret_cast<size_t>(wdn)) & 3) == 0) {
-        for (int cp = lane; cp < words; cp += 32) {
+        for (int cp = lt; cp < words; cp += KS * 32) {
           g4_cp_async<4>(smem_addr + (uint32_t)(base + cp * 4), wrow + (size_t)cp * 4);
         }
       } else {
-        for (int cp = lane; cp < 8 * rbf; cp += 32) {
+        for (int cp = lt; cp < 8 * rbf; cp += KS * 32) {
           reinterpret_cast<unsigned short*>(g4_smem)[(base >> 1) + cp] = g4_u16(wrow + (size_t)cp * 2);
         }
       }
@@ -259,26 +269,24 @@ _BODY_CUDA = r"""
       }
     }
     __syncthreads();
+    // h, written in this launch: through L2, 16 bytes a thread (an output array: 16-byte aligned)
+    for (int i = (int)threadIdx.x; i < S * F / 8; i += NW * 32) {
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(h) + i);
+      *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(g4_smem) + hoff + 16 * i) = v;
+    }
     g4_cp_async_wait<0>();
-    __syncwarp();
+    __syncthreads();  // every warp's staged rows and h, visible to the whole block
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (sl < S) {
-      const T* hr = h + (size_t)sl * F + 4 * t;
+      const uint8_t* hs = reinterpret_cast<const uint8_t*>(g4_smem) + hoff + (size_t)sl * F * 2 + 8 * t;
       const int nb = F / 32;
-      for (int b0 = 0; b0 < nb; b0 += 4) {  // 4 blocks' h loads in flight at once (L2 round trips)
-        uint2 xa[4], xc[4];
-        _Pragma("unroll") for (int i = 0; i < 4; ++i) {
-          const int kb = (b0 + i < nb ? b0 + i : b0) * 32;
-          xa[i] = __ldcg(reinterpret_cast<const uint2*>(hr + kb));
-          xc[i] = __ldcg(reinterpret_cast<const uint2*>(hr + kb + 16));
-        }
-        _Pragma("unroll") for (int i = 0; i < 4; ++i) {
-          if (b0 + i < nb) {
-            const int o = base + g * rbf + 18 * (b0 + i);
-            block_mma(acc, o, o + 8 * rbf, __byte_perm(xa[i].x, xa[i].y, 0x5410), __byte_perm(xa[i].x, xa[i].y, 0x7632),
-                      __byte_perm(xc[i].x, xc[i].y, 0x5410), __byte_perm(xc[i].x, xc[i].y, 0x7632));
-          }
-        }
+      const int b1 = (ks + 1) * nb / KS;
+      for (int b = ks * nb / KS; b < b1; ++b) {
+        const uint2 xa = *reinterpret_cast<const uint2*>(hs + 64 * b);       // h[32b + 4t ..]
+        const uint2 xc = *reinterpret_cast<const uint2*>(hs + 64 * b + 32);  // h[32b + 16 + 4t ..]
+        const int o = base + g * rbf + 18 * b;
+        block_mma(acc, o, o + 8 * rbf, __byte_perm(xa.x, xa.y, 0x5410), __byte_perm(xa.x, xa.y, 0x7632),
+                  __byte_perm(xc.x, xc.y, 0x5410), __byte_perm(xc.x, xc.y, 0x7632));
       }
     }
     if (t == 0) {
@@ -287,9 +295,11 @@ _BODY_CUDA = r"""
       g4_red[warp][0][8 + g] = wt * acc[2];
     }
     __syncthreads();
-    if (threadIdx.x < 16) {
+    if (threadIdx.x < 16) {  // slots in order, each slot's parts in order
       float s = 0.0f;
-      for (int w = 0; w < S; ++w) s += g4_red[w][0][threadIdx.x];
+      for (int w = 0; w < S; ++w) {
+        for (int k = 0; k < KS; ++k) s += g4_red[8 * k + w][0][threadIdx.x];
+      }
       out[r0 + threadIdx.x] = static_cast<T>(s);
     }
   }
@@ -306,9 +316,21 @@ _BODY_CUDA = r"""
   }
 """
 
+# cp.async.wait_group takes an immediate: n from an unrolled loop folds to one case
+_WAIT_UPTO_CUDA = r"""
+__device__ __forceinline__ void g4_cp_async_wait_upto(int n) {  // at most n newer groups still pending
+  switch (n) {
+    case 0: g4_cp_async_wait<0>(); break;
+    case 1: g4_cp_async_wait<1>(); break;
+    case 2: g4_cp_async_wait<2>(); break;
+    default: g4_cp_async_wait<3>(); break;
+  }
+}
+"""
+
 _DEF = _KernelDef("g4_q4_0_moe_experts", "moe_experts", Q4_0, ("x", "ids", "wts", "wgu", "wdn", "counters"),
-                  ("out", "h"), ("T", "NW", "SETS", "PPW", "S", "SMEM"),
-                  {"metal": ("", ""), "cuda": (prelude("cuda") + _MMA_HEADER_CUDA + _STREAM_HEADER_CUDA, _BODY_CUDA)})  # fmt: skip
+                  ("out", "h"), ("T", "NW", "SETS", "S", "SMEM"),
+                  {"metal": ("", ""), "cuda": (prelude("cuda") + _MMA_HEADER_CUDA + _STREAM_HEADER_CUDA + _WAIT_UPTO_CUDA, _BODY_CUDA)})  # fmt: skip
 
 
 COUNTER_WORDS = 96
@@ -320,42 +342,43 @@ def new_counters() -> mx.array:
     return mx.zeros((COUNTER_WORDS,), dtype=mx.uint32)
 
 
-def shared_bytes(slots: int, f: int, h: int, sets: int = SETS, warps: int = WARPS) -> int:
+def shared_bytes(slots: int, f: int, h: int, sets: int = SETS) -> int:
     """Dynamic shared memory of one threadgroup: the larger of a gate|up ticket's pieces and a down
-    ticket's staged rows, plus 16 bytes the block reads may run past the last row."""
-    return max(sets * (h // 256) * _PIECE, warps * 16 * row_bytes(Q4_0, f)) + 16
+    ticket's staged rows with h [slots, F] bf16, plus 16 bytes the block reads may run past the end."""
+    return max(sets * (h // 256) * _PIECE, slots * (16 * row_bytes(Q4_0, f) + 2 * f)) + 16
 
 
-def plan_moe_experts(slots: int, f: int, h: int, sets: int = SETS, warps: int = WARPS) -> tuple[LaunchPlan, int]:
+def plan_moe_experts(slots: int, f: int, h: int, config: MoeConfig | None = None) -> tuple[LaunchPlan, int]:
     """(launch plan, dynamic shared bytes) of one call: TA + TB threadgroups of 32 * warps threads."""
-    if slots > warps:
-        raise ValueError(f"moe_experts: {slots} slots, at most {warps} (a warp per slot)")
+    cfg = config or MoeConfig()
+    if slots > MAX_SLOTS:
+        raise ValueError(f"moe_experts: {slots} slots, at most {MAX_SLOTS}")
     if h % 256 or f % 32:
         raise ValueError(f"moe_experts: needs H % 256 == 0 and F % 32 == 0, got H={h}, F={f}")
-    smem = shared_bytes(slots, f, h, MoeConfig(sets).sets, warps)
+    smem = shared_bytes(slots, f, h, cfg.sets)
     if smem > SHARED_LIMIT:
         raise ValueError(f"moe_experts: {smem} bytes of shared memory per block (H={h}, F={f}), over {SHARED_LIMIT}")
-    ta = -(-slots * (f // 8) // sets)
-    ppw = -(-sets * (h // 256) // warps)
-    template = [("T", "bfloat16"), ("NW", warps), ("SETS", sets), ("PPW", ppw), ("S", slots), ("SMEM", smem)]
-    grid = ((ta + h // 16) * 32 * warps, 1, 1)
-    return LaunchPlan(template, grid, (32 * warps, 1, 1), (h,)), smem
+    ta = -(-slots * (f // 8) // cfg.sets)
+    template = [("T", "bfloat16"), ("NW", cfg.warps), ("SETS", cfg.sets), ("S", slots), ("SMEM", smem)]
+    grid = ((ta + h // 16) * 32 * cfg.warps, 1, 1)
+    return LaunchPlan(template, grid, (32 * cfg.warps, 1, 1), (h,)), smem
 
 
 def moe_experts_supported(x: mx.array, ids: mx.array, f: int, h: int) -> bool:
     """True when the one-launch kernel takes this call: CUDA (sm_80+), bf16 x of one token, at
     most 8 slots, H % 256 == 0, F % 32 == 0, the staged rows within SHARED_LIMIT."""
     return (backend() == "cuda" and cuda_arch() >= MMA_ARCH and x.dtype == mx.bfloat16 and x.size == h
-            and math.prod(ids.shape[:-1]) == 1 and ids.shape[-1] <= WARPS and h % 256 == 0 and f % 32 == 0
-            and shared_bytes(ids.shape[-1], f, h) <= SHARED_LIMIT)  # fmt: skip
+            and math.prod(ids.shape[:-1]) == 1 and ids.shape[-1] <= MAX_SLOTS and h % 256 == 0 and f % 32 == 0
+            and shared_bytes(ids.shape[-1], f, h, geometry_override(MoeConfig(), MOE_GEOMETRY_ENV).sets) <= SHARED_LIMIT)  # fmt: skip
 
 
 def launch_moe_experts(x: mx.array, ids: mx.array, weights: mx.array, gate_up_blocks: mx.array,
-                       down_blocks: mx.array, counters: mx.array, f: int, sets: int | None = None) -> tuple[mx.array, mx.array]:  # fmt: skip
+                       down_blocks: mx.array, counters: mx.array, f: int,
+                       config: MoeConfig | None = None) -> tuple[mx.array, mx.array]:  # fmt: skip
     """The kernel (no checks, no fallback; CUDA builds only) -> (out [..., H] like x, h [k, F]);
-    sets: GeGLU sets per gate|up ticket (default MoeConfig's, GEMMA4_MLX_MOE_GEOMETRY)."""
-    sets = geometry_override(MoeConfig(), MOE_GEOMETRY_ENV).sets if sets is None else MoeConfig(sets).sets
-    plan, smem = plan_moe_experts(ids.shape[-1], f, x.shape[-1], sets)
+    config: default MoeConfig's, with GEMMA4_MLX_MOE_GEOMETRY."""
+    cfg = config or geometry_override(MoeConfig(), MOE_GEOMETRY_ENV)
+    plan, smem = plan_moe_experts(ids.shape[-1], f, x.shape[-1], cfg)
     kernel = get_kernel(_DEF.name, _DEF.input_names, _DEF.output_names, _DEF.text["metal"], _DEF.text["cuda"],
                         cuda_shared_memory=smem)  # fmt: skip
     out, gelu = kernel(inputs=[x, ids, weights.astype(mx.float32), gate_up_blocks, down_blocks, counters],
@@ -402,7 +425,7 @@ def q4_0_moe_experts(x: mx.array, ids: mx.array, weights: mx.array, gate_up_bloc
 # --------------------------------------------------------------------------------------------
 
 
-def _case(rng: np.random.Generator, slots: int, experts: int, f: int, h: int, sets: int, bad_id: bool = False):
+def _case(rng: np.random.Generator, slots: int, experts: int, f: int, h: int, cfg: MoeConfig, bad_id: bool = False):
     from .quant_matvec import _activations, _gelu_tanh_f64, _tolerances, dequantize_f64, random_blocks
     from .registry import KernelCase, bf16_to_f32, f32_to_bf16
 
@@ -427,7 +450,7 @@ def _case(rng: np.random.Generator, slots: int, experts: int, f: int, h: int, se
         gelu64[slots // 2] = np.nan
         out64[:] = np.nan
     rtol, _ = _tolerances("bfloat16", 1.0)
-    plan, smem = plan_moe_experts(slots, f, h, sets)
+    plan, smem = plan_moe_experts(slots, f, h, cfg)
     # one atol for both outputs: f32 sums against the larger scale, plus a few h entries that f32
     # rounds to the other bf16 neighbour than float64 does (one ulp, 2^-8, each)
     flip = 4 * 2.0**-8 * float(np.abs(wts[:, None, None] * dn64 * hb[:, None, :]).max())
@@ -438,16 +461,19 @@ def _case(rng: np.random.Generator, slots: int, experts: int, f: int, h: int, se
         template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
         output_shapes=[(1, h), (slots, f)], output_dtypes=["bfloat16", "bfloat16"],
         expected=[out64.reshape(1, h), gelu64], rtol=rtol, atol=atol, input_dtypes=in_dt,
-        label=f"moe_experts k={slots} E={experts} F={f} H={h} sets={sets}{' bad id' if bad_id else ''}",
+        label=f"moe_experts k={slots} E={experts} F={f} H={h} sets={cfg.sets} warps={cfg.warps}{' bad id' if bad_id else ''}",
         cuda_shared_memory=smem,
     )  # fmt: skip
 
 
 def _cases(rng: np.random.Generator):
     """A last gate|up ticket with fewer sets (8 sets in tickets of 3), more pieces than warps (H =
-    1280: 10 per ticket), F not a multiple of 64 (the MoE fixture's 96), one slot, an id out of range."""
-    return [_case(rng, 3, 5, 64, 256, 2), _case(rng, 8, 10, 128, 1280, 2), _case(rng, 1, 2, 64, 512, 3),
-            _case(rng, 2, 8, 96, 256, 2), _case(rng, 5, 7, 192, 256, 1, bad_id=True)]  # fmt: skip
+    1280 with 8 warps, H = 2304 in 4 sets with 16), F not a multiple of 64 (the MoE fixture's 96)
+    with 16 warps (2 per slot over 3 blocks), one slot, an id out of range."""
+    c = MoeConfig
+    return [_case(rng, 3, 5, 64, 256, c(2, 8)), _case(rng, 8, 10, 128, 1280, c(2, 8)), _case(rng, 1, 2, 64, 512, c(3, 8)),
+            _case(rng, 4, 6, 64, 2304, c(4, 16)), _case(rng, 2, 8, 96, 256, c(2, 16)),
+            _case(rng, 5, 7, 192, 256, c(1, 8), bad_id=True)]  # fmt: skip
 
 
 def kernel_specs():

@@ -55,12 +55,12 @@ def test_registry_cases_agree_with_the_reference():
 def test_plans():
     plan, smem = me.plan_moe_experts(8, 704, 2816)  # 26B-A4B: 352 gate|up + 176 down tickets
     assert plan.grid == (528 * 256, 1, 1) and plan.threadgroup == (256, 1, 1)
-    assert dict(plan.template)["PPW"] == 3 and smem == 8 * 16 * 396 + 16 == 2 * 11 * 2304 + 16
-    assert dict(plan.template)["SMEM"] == smem  # each shared size its own instantiation
-    assert me.plan_moe_experts(8, 704, 2816, sets=1)[1] == smem  # the down half's rows set it here
-    assert me.plan_moe_experts(2, 96, 256)[1] == 8 * 16 * 54 + 16
-    plan, smem = me.plan_moe_experts(3, 64, 256, sets=2)  # 24 sets -> 12 tickets, 16 down tickets
-    assert plan.grid == (28 * 256, 1, 1) and dict(plan.template)["PPW"] == 1
+    assert smem == 8 * (16 * 396 + 2 * 704) + 16 > 2 * 11 * 2304 + 16  # the down rows and h set it
+    assert dict(plan.template)["SMEM"] == smem and dict(plan.template)["NW"] == 8  # each shared size its own instantiation
+    assert me.plan_moe_experts(8, 704, 2816, me.MoeConfig(sets=3))[1] == 3 * 11 * 2304 + 16  # the gate|up pieces
+    assert me.plan_moe_experts(2, 96, 256)[1] == 2 * 2304 + 16 > 2 * (16 * 54 + 2 * 96) + 16
+    plan, smem = me.plan_moe_experts(3, 64, 256, me.MoeConfig(sets=2, warps=16))  # 24 sets -> 12 tickets, 16 down tickets
+    assert plan.grid == (28 * 512, 1, 1) and plan.threadgroup == (512, 1, 1) and dict(plan.template)["NW"] == 16
     with pytest.raises(ValueError, match="at most 8"):
         me.plan_moe_experts(9, 704, 2816)
     with pytest.raises(ValueError, match="H % 256"):
@@ -70,7 +70,9 @@ def test_plans():
     with pytest.raises(ValueError, match="shared memory"):
         me.plan_moe_experts(8, 4096, 2816)  # the staged down rows would not fit
     with pytest.raises(ValueError, match="sets"):
-        me.plan_moe_experts(8, 704, 2816, sets=5)
+        me.MoeConfig(sets=5)
+    with pytest.raises(ValueError, match="warps"):
+        me.MoeConfig(warps=4)
 
 
 def test_routing_on_faked_cuda(monkeypatch):
@@ -135,22 +137,22 @@ def test_bad_inputs_are_clear_errors():
 
 
 def test_geometry_override(monkeypatch):
-    """GEMMA4_MLX_MOE_GEOMETRY=sets=N picks the gate|up sets per ticket (a template value of the
-    same text); bad values are errors."""
+    """GEMMA4_MLX_MOE_GEOMETRY=sets=N,warps=W picks the gate|up sets per ticket and the warps per
+    threadgroup (template values of the same text); bad values are errors."""
     class Planned(Exception):
         pass
 
-    def plan(k, f, h, sets):
-        raise Planned(sets)
+    def plan(k, f, h, cfg):
+        raise Planned(cfg.sets, cfg.warps)
 
     monkeypatch.setattr(me, "plan_moe_experts", plan)
     args = (mx.zeros((1, 256), mx.bfloat16), mx.zeros((1, 2), mx.int32), mx.ones((1, 2)), None, None, None, 64)
-    for env, want in (("", me.SETS), ("sets=1", 1), ("sets=3", 3)):
+    for env, want in (("", (me.SETS, me.WARPS)), ("sets=1", (1, me.WARPS)), ("sets=3,warps=16", (3, 16))):
         monkeypatch.setenv(me.MOE_GEOMETRY_ENV, env)
         with pytest.raises(Planned) as got:
             me.launch_moe_experts(*args)
-        assert got.value.args == (want,)
-    for bad in ("sets=0", "sets=5", "warps=4"):
+        assert got.value.args == want
+    for bad in ("sets=0", "sets=5", "warps=4", "rows=2"):
         monkeypatch.setenv(me.MOE_GEOMETRY_ENV, bad)
         with pytest.raises(ValueError, match="GEMMA4_MLX_MOE_GEOMETRY"):
             me.launch_moe_experts(*args)

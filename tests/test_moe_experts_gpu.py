@@ -21,6 +21,8 @@ pytestmark = [
 ]
 
 E, SLOTS, F, H = 16, 8, 704, 2816  # 26B-A4B's expert shapes, 16 of its 128 experts
+GEOMETRIES = [me.MoeConfig(s, w) for w in (8, 16) for s in (1, 2, 3, 4)]
+SOME = [me.MoeConfig(2, 8), me.MoeConfig(3, 16)]  # geometries the slower tests take
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +61,14 @@ def _check_against_f64(layer, x, ids, wts, out, gelu):
     assert rel.max() <= 2**-8, f"out: relative error {rel.max():.3g}"
 
 
-def test_against_float64_and_two_launch_path(layer):
+@pytest.mark.parametrize("cfg", GEOMETRIES, ids=str)
+def test_against_float64_and_two_launch_path(layer, cfg):
     rng = layer["rng"]
     for slots in (SLOTS, 3, 1):
         x, ids, wts = _inputs(rng, slots)
         counters = me.new_counters()
         out, gelu = me.launch_moe_experts(x, mx.array(ids[None]), mx.array(wts[None]), layer["gu_mx"], layer["dn_mx"],
-                                          counters, F)  # fmt: skip
+                                          counters, F, cfg)  # fmt: skip
         mx.eval(out, gelu)
         assert out.shape == (1, H) and out.dtype == mx.bfloat16 and gelu.shape == (slots, F)
         _check_against_f64(layer, x, ids, wts, out, gelu)
@@ -76,7 +79,8 @@ def test_against_float64_and_two_launch_path(layer):
         assert np.abs(a - b).max() <= 2**-6 * np.abs(b).max(), "one launch and two launches disagree"
 
 
-def test_calls_one_after_another_and_chained(layer):
+@pytest.mark.parametrize("cfg", SOME, ids=str)
+def test_calls_one_after_another_and_chained(layer, cfg):
     """The same counters serve many calls: evaluated one by one, and as a chain of 12 dependent
     calls in one graph (each launch starts after the last one reset the counters): same values."""
     rng = layer["rng"]
@@ -84,7 +88,7 @@ def test_calls_one_after_another_and_chained(layer):
     ids_mx, wts_mx, counters = mx.array(ids[None]), mx.array(wts[None]), me.new_counters()
 
     def step(v):
-        out = me.launch_moe_experts(v, ids_mx, wts_mx, layer["gu_mx"], layer["dn_mx"], counters, F)[0]
+        out = me.launch_moe_experts(v, ids_mx, wts_mx, layer["gu_mx"], layer["dn_mx"], counters, F, cfg)[0]
         o = out.astype(mx.float32)
         return (o * mx.rsqrt((o * o).mean() + 1e-6)).astype(mx.bfloat16)
 
@@ -103,7 +107,8 @@ def test_calls_one_after_another_and_chained(layer):
     assert not np.array(counters).any()
 
 
-def test_misaligned_inputs(layer):
+@pytest.mark.parametrize("cfg", SOME, ids=str)
+def test_misaligned_inputs(layer, cfg):
     """x 2 bytes off 8-byte alignment, expert stacks 2 or 4 bytes off 16: the copy fallbacks (2-byte
     loads; the down rows' 4-byte copies)."""
     rng = layer["rng"]
@@ -111,12 +116,13 @@ def test_misaligned_inputs(layer):
     x_off = mx.concatenate([mx.zeros((1,), mx.bfloat16), x.reshape(-1)])[1:].reshape(1, H)
     for offset in (2, 4):
         out, gelu = me.launch_moe_experts(x_off, mx.array(ids[None]), mx.array(wts[None]), _misaligned(layer["gu"], offset),
-                                          _misaligned(layer["dn"], offset), me.new_counters(), F)  # fmt: skip
+                                          _misaligned(layer["dn"], offset), me.new_counters(), F, cfg)  # fmt: skip
         mx.eval(out, gelu)
         _check_against_f64(layer, x, ids, wts, out, gelu)
 
 
-def test_fixture_shape():
+@pytest.mark.parametrize("cfg", SOME, ids=str)
+def test_fixture_shape(cfg):
     """The MoE fixture's shapes (H = 256, F = 96, 2 of 8 experts), where F is not a multiple of 64:
     against float64, as the model-level test then runs it."""
     rng = np.random.default_rng(43)
@@ -126,7 +132,7 @@ def test_fixture_shape():
     x = mx.array(rng.standard_normal((1, h)).astype(np.float32)).astype(mx.bfloat16)
     ids, wts = rng.permutation(e)[:2].astype(np.int32), rng.random(2).astype(np.float32)
     out, gelu = me.launch_moe_experts(x, mx.array(ids[None]), mx.array(wts[None]), mx.array(gu), mx.array(dn),
-                                      me.new_counters(), f)  # fmt: skip
+                                      me.new_counters(), f, cfg)  # fmt: skip
     _check_against_f64(dict(gu64=gu64, dn64=dn64), x, ids, wts, out, gelu)
 
 
