@@ -37,11 +37,11 @@ measurements of one family against the rest, or a workaround); it wins over UNPR
 UNPROVEN_ENV = "GEMMA4_MLX_UNPROVEN_KERNELS"
 """Comma-separated op families the model uses only when named here: families not on by default,
 because they have not passed ``pytest -m gpu`` on real hardware yet or showed no measured gain there
-(``norm_moe``, ``router_proj``, ``moe_one_launch``; on Metal also the CUDA_ONLY ones)."""
+(``norm_moe``, ``router_proj``; on Metal also the CUDA_ONLY ones)."""
 
 PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split",
                     "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
-                    "matvec_gelu_mul"})  # fmt: skip
+                    "matvec_gelu_mul", "moe_one_launch"})  # fmt: skip
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
@@ -63,14 +63,18 @@ kernels, CUDA only) passed its operator tests and memcheck in session 16 and too
 at M = 8 from 39.1 to 26.3 us and the fused gate|up from 123 to 51.5 us; "matvec_gelu_mul" (an
 E-series layer's per-layer-input gate and its gelu * input in one launch of the f32-FMA kernel)
 passed its operator and model tests in session 18 (E4B at 4K 221.6 / 227.5 tok/s against 213.9 /
-226.4 in alternated processes: one launch fewer per layer, a gain inside the run-to-run spread).
+226.4 in alternated processes: one launch fewer per layer, a gain inside the run-to-run spread);
+"moe_one_launch" (a MoE layer's one-token Q4_0 experts in one launch, custom_kernels.moe_experts,
+CUDA only) passed its registry cases, operator tests, the MoE model test and compute-sanitizer in
+session 20 (26B-A4B expert path 28.8 us per call against the two launches' 39.2; decode at 4K
+233.7 / 243.0 tok/s against 218.2 / 243.3 in alternated processes).
 The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
-                       "matvec_gelu_mul"})  # fmt: skip
+                       "matvec_gelu_mul", "moe_one_launch"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-FAMILIES = PROVEN | {"norm_moe", "router_proj", "moe_one_launch"}
+FAMILIES = PROVEN | {"norm_moe", "router_proj"}
 """Every op family the model can use: the PROVEN ones and the opt-in ones (UNPROVEN_ENV)."""
 
 _kernel_cache: dict[tuple, Callable] = {}

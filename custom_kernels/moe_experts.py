@@ -12,20 +12,23 @@ halves, as the two-launch path rounds them.
 Why one launch: on the H200 a launch that binds a layer's expert stacks costs MLX's host 4-12 us
 (bench/NOTES.md, sessions 17-18), and the two-launch path measured 24.5-34.8 us per step back to
 back against the 11.6 us that 60% of the copy bandwidth allows for its 26.8 MB (26B-A4B). Measured
-(session 19): 37 us of GPU time per call against the two launches' 39, bound by the latency of its
-own instructions (Nsight Compute: DRAM 15% busy); 26B-A4B decode gained from the launch it saves.
+(session 20, 26B-A4B shapes, default geometry): 28.8 us of GPU time per call against the two
+launches' 39.2, 31.3 against 42.4 back to back; Nsight Compute on an earlier text (session 19):
+DRAM 15% busy, bound by the latency of its own instructions.
 
-How (threadgroups of 8 warps, taking tickets from ``counters`` in the order they start):
+How (threadgroups of NW = 8 or 16 warps, taking tickets from ``counters`` in the order they start):
 
 - tickets below TA = ceil(k * F / 8 / SETS) compute SETS sets of 8 GeGLU outputs (8 gate and 8 up
-  rows of one slot's expert): the ticket's rows are copied front to back (16-byte ``cp.async``) into
-  shared memory as pieces of 16 rows x 144 bytes (K / 256 per set), each warp runs mma.sync over
-  its pieces (the stream kernels' block code: weights as A, x as B) and the warps' f32 sums are
-  added in warp order; h [k, F] bf16 is stored, then the ticket counts itself done;
-- the next TB = H / 16 tickets compute 16 output rows each: warp s copies slot s's 16 down rows
-  (contiguous) into shared memory at once (16-byte ``cp.async``), which overlaps the gate|up half,
-  then waits until all TA gate|up tickets are done, reads h through L2 (``ld.global.cg``: written
-  in this launch), and the slots' weighted f32 sums are added in slot order, rounded once;
+  rows of one slot's expert): each set's rows are copied front to back (16-byte ``cp.async``, one
+  group per set) into shared memory as pieces of 16 rows x 144 bytes (K / 256 per set); the warps
+  take the pieces in turn and multiply set j's as soon as its group has landed (mma.sync, the
+  stream kernels' block code: weights as A, x as B); the warps' f32 sums are added in warp order,
+  h [k, F] bf16 is stored, then the ticket counts itself done;
+- the next TB = H / 16 tickets compute 16 output rows each: the NW / 8 warps of slot s copy its 16
+  down rows (contiguous) into shared memory (16-byte ``cp.async``), which overlaps the gate|up
+  half, then wait until all TA gate|up tickets are done, copy h through L2 (``ld.global.cg``:
+  written in this launch) into shared memory, each warp multiplies its part of the slot's blocks,
+  and the weighted f32 sums are added in slot order (each slot's parts in order), rounded once;
 - the last threadgroup to finish sets the counters back to zero for the next call.
 
 A ticket is only taken by a running threadgroup and every down ticket comes after every gate|up
@@ -67,13 +70,15 @@ __all__ = ["q4_0_moe_experts", "moe_experts_reference", "moe_experts_supported",
 MAX_SLOTS = 8
 """Slots a call may have: a down ticket gives each slot NW / 8 of its warps."""
 
-SETS = 2
-"""GeGLU sets (8 outputs, 16 weight rows) per gate|up ticket. 26B-A4B (F = 704, 8 slots): 352
-gate|up and 176 down tickets, 528 threadgroups of 50.7 KB of staged weights, 4 per SM of the
-H200's 132: every threadgroup resident at once."""
+SETS = 3
+"""GeGLU sets (8 outputs, 16 weight rows) per gate|up ticket. 26B-A4B (F = 704, 8 slots): 235
+gate|up and 176 down tickets of 76 KB of shared memory, 2 per SM of the H200's 132, so the later
+down tickets start (and stage their rows) as gate|up tickets finish. Session 20, GPU time per call
+(sets 2 / 3 / 4): 30.4 / 28.8 / 32.8 us with 16 warps, 30.8 / 30.3 / 33.8 with 8."""
 
-WARPS = 8
-"""Warps per threadgroup (8 or 16)."""
+WARPS = 16
+"""Warps per threadgroup (8 or 16): 16 halves each warp's share of a ticket (the text's 51-64
+registers allow 2 threadgroups of 16 warps per SM)."""
 
 MOE_GEOMETRY_ENV = "GEMMA4_MLX_MOE_GEOMETRY"
 """MoeConfig fields of the one-launch kernel, e.g. "sets=3,warps=16" (template values of the

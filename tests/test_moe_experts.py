@@ -53,12 +53,14 @@ def test_registry_cases_agree_with_the_reference():
 
 
 def test_plans():
-    plan, smem = me.plan_moe_experts(8, 704, 2816)  # 26B-A4B: 352 gate|up + 176 down tickets
-    assert plan.grid == (528 * 256, 1, 1) and plan.threadgroup == (256, 1, 1)
+    plan, smem = me.plan_moe_experts(8, 704, 2816)  # 26B-A4B, default: 235 gate|up + 176 down tickets of 16 warps
+    assert plan.grid == (411 * 512, 1, 1) and plan.threadgroup == (512, 1, 1)
+    assert smem == 3 * 11 * 2304 + 16  # the gate|up pieces set it
+    assert dict(plan.template)["SMEM"] == smem  # each shared size its own instantiation
+    plan, smem = me.plan_moe_experts(8, 704, 2816, me.MoeConfig(sets=2, warps=8))  # 352 + 176 tickets
+    assert plan.grid == (528 * 256, 1, 1) and plan.threadgroup == (256, 1, 1) and dict(plan.template)["NW"] == 8
     assert smem == 8 * (16 * 396 + 2 * 704) + 16 > 2 * 11 * 2304 + 16  # the down rows and h set it
-    assert dict(plan.template)["SMEM"] == smem and dict(plan.template)["NW"] == 8  # each shared size its own instantiation
-    assert me.plan_moe_experts(8, 704, 2816, me.MoeConfig(sets=3))[1] == 3 * 11 * 2304 + 16  # the gate|up pieces
-    assert me.plan_moe_experts(2, 96, 256)[1] == 2 * 2304 + 16 > 2 * (16 * 54 + 2 * 96) + 16
+    assert me.plan_moe_experts(2, 96, 256)[1] == 3 * 2304 + 16 > 2 * (16 * 54 + 2 * 96) + 16
     plan, smem = me.plan_moe_experts(3, 64, 256, me.MoeConfig(sets=2, warps=16))  # 24 sets -> 12 tickets, 16 down tickets
     assert plan.grid == (28 * 512, 1, 1) and plan.threadgroup == (512, 1, 1) and dict(plan.template)["NW"] == 16
     with pytest.raises(ValueError, match="at most 8"):
@@ -76,10 +78,9 @@ def test_plans():
 
 
 def test_routing_on_faked_cuda(monkeypatch):
-    """Faked CUDA (launch stubbed): the kernel only with the family opted in (not a default until a
-    model-level GPU run takes it), bf16, one token, at most 8 slots, H % 256 == 0 and F % 32 == 0;
-    the two ops otherwise, with the family in KERNELS_OFF, and on Metal (no Metal text). Bad
-    counters are an error."""
+    """Faked CUDA (launch stubbed): the kernel by default (a CUDA default since session 20) for bf16,
+    one token, at most 8 slots, H % 256 == 0 and F % 32 == 0; the two ops otherwise, with the family
+    in KERNELS_OFF, and on Metal, opted in or not (no Metal text). Bad counters are an error."""
     rng = np.random.default_rng(4)
     gu, dn = _layer(rng)
     calls = []
@@ -94,11 +95,7 @@ def test_routing_on_faked_cuda(monkeypatch):
     x = mx.zeros((1, 256), mx.bfloat16)
     ids, wts = mx.array(np.array([[1, 2]], np.int32)), mx.ones((1, 2))
     me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)
-    assert calls == ["gate_up", "down"]  # opt-in
-    calls.clear()
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_one_launch")
-    me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)
-    assert calls == [(1, 256)]
+    assert calls == [(1, 256)]  # a CUDA default
     me.q4_0_moe_experts(x.astype(mx.float32), ids, wts, gu, dn, me.new_counters(), 64)  # f32: two ops
     me.q4_0_moe_experts(mx.zeros((2, 256), mx.bfloat16), mx.array(np.array([[1, 2], [0, 3]], np.int32)),
                         mx.ones((2, 2)), gu, dn, me.new_counters(), 64)  # two tokens: two ops  # fmt: skip
@@ -113,8 +110,10 @@ def test_routing_on_faked_cuda(monkeypatch):
     monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV)
     monkeypatch.setattr(me, "backend", lambda: "metal")
     monkeypatch.setattr(custom_kernels, "backend", lambda: "metal")
+    me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)  # CUDA_ONLY: off on Metal
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_one_launch")
     me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)  # opted in, but no Metal text
-    assert calls == ["gate_up", "down"] * 2
+    assert calls == ["gate_up", "down"] * 3
     monkeypatch.setattr(me, "backend", lambda: "cuda")
     monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
     with pytest.raises(ValueError, match="counters"):
