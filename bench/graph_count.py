@@ -38,7 +38,7 @@ from hardware import commit, hardware_info, sources_digest  # noqa: E402
 from step_settings import model_config  # noqa: E402
 
 import custom_kernels  # noqa: E402
-from custom_kernels import attention, quant_matvec, sampling  # noqa: E402
+from custom_kernels import attention, moe_experts, norm, quant_matvec, sampling  # noqa: E402
 
 _ZEROS: dict = {}
 _FAST_CALLS: collections.Counter = collections.Counter()  # stand-in mx.fast ops, by GPU primitive name
@@ -75,11 +75,16 @@ def _stand_in_kernel(**_kw):
     return call
 
 
+PRETEND_ARCH = 90
+"""The compute capability pretend_cuda reports: the H200's (Hopper), where the step was measured."""
+
+
 def pretend_cuda() -> None:
-    """Route the model through the CUDA kernel paths without a GPU (for counting only)."""
-    for module in (custom_kernels, quant_matvec, attention, sampling):
+    """Route the model through the CUDA kernel paths of an sm_90 GPU without one (for counting only)."""
+    for module in (custom_kernels, quant_matvec, attention, sampling, norm, moe_experts):
         if hasattr(module, "backend"):
             module.backend = lambda: "cuda"
+    custom_kernels._device_arch = lambda: PRETEND_ARCH
     custom_kernels.clear_kernel_cache()
     mx.fast.cuda_kernel = _stand_in_kernel
     mx.fast.rms_norm = _fast_stand_in("RMSNorm")

@@ -343,8 +343,11 @@ COUNTER_WORDS = 96
 
 
 def new_counters() -> mx.array:
-    """The zeroed uint32 [96] counters one sequence of q4_0_moe_experts calls shares (one per layer)."""
-    return mx.zeros((COUNTER_WORDS,), dtype=mx.uint32)
+    """The zeroed uint32 [96] counters one sequence of q4_0_moe_experts calls shares (one per layer).
+    Made from host memory, not by mx.zeros: a lazy zeros op would sit in the graph that first uses
+    it, and a compiled step traced then would fill fresh counters every step (mx.compile merges the
+    layers' identical zeros ops into one buffer, which calls one after another may share)."""
+    return mx.array(np.zeros(COUNTER_WORDS, np.uint32))
 
 
 def shared_bytes(slots: int, f: int, h: int, sets: int = SETS) -> int:

@@ -93,6 +93,21 @@ def test_norm_moe_cuts_a_moe_layers_norms(graph_count, monkeypatch):
     assert sum(base.values()) - sum(fused.values()) >= 3 * layers
 
 
+def test_moe_experts_take_one_launch(graph_count, monkeypatch):
+    """As on the H200 (sm_90): a MoE layer's Q4_0 experts are one kernel (moe_one_launch, a CUDA
+    default), two with the family off (gate|up, then down with the weighted sum)."""
+    import decode
+
+    import custom_kernels
+
+    cfg = decode._tiny(**_KERNEL_SHAPES, **_EXPERTS)
+    one = graph_count.step_counts(cfg, 40)["body"]
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "moe_one_launch")
+    two = graph_count.step_counts(cfg, 40)["body"]
+    assert two["CustomKernel"] - one["CustomKernel"] == cfg.num_hidden_layers
+    assert sum(two.values()) - sum(one.values()) == cfg.num_hidden_layers
+
+
 def test_matvec_gelu_mul_folds_the_per_layer_input_product(graph_count, monkeypatch):
     """With family "matvec_gelu_mul" (a CUDA default) an E-series layer's per-layer-input gate and its
     gelu * input product are one kernel: the same kernels per layer, and the product's MLX nodes gone."""

@@ -155,8 +155,8 @@ def test_expert_out_of_range(layer):
 
 
 def test_op_routes_by_family(layer, monkeypatch):
-    """q4_0_moe_experts takes the kernel with the family opted in, the two-launch path with it in
-    KERNELS_OFF, and the two-launch path for more than one token."""
+    """q4_0_moe_experts takes the kernel with the family on (a CUDA default, or named in
+    UNPROVEN_ENV), the two-launch path with it in KERNELS_OFF and for more than one token."""
     rng = layer["rng"]
     x, ids, wts = _inputs(rng)
     args = (mx.array(ids[None]), mx.array(wts[None]), layer["gu_mx"], layer["dn_mx"], me.new_counters(), F)
