@@ -3,7 +3,8 @@
 MLX spends host time per primitive of the graph it evaluates (bench/NOTES.md, session 4: ~0.4 ms
 per 31B layer, ~5.5 us per primitive on average), so the primitive count per layer is the number
 to cut. On a CPU build the model would take the reference paths, so this script pretends to be a
-CUDA build: custom_kernels.backend() answers "cuda" and mx.fast.cuda_kernel returns a stand-in
+CUDA build on an sm_90 GPU (the H200 the step is measured on): custom_kernels.backend() answers
+"cuda", its compute capability 90, and mx.fast.cuda_kernel returns a stand-in
 whose outputs are one `Depends` primitive on all the kernel's inputs (counted as CustomKernel).
 Nothing is evaluated; the graph of one uncompiled step (token -> final hidden state, and the head)
 is exported with mx.export_to_dot and counted by primitive name.
