@@ -52,6 +52,7 @@ from . import backend, cuda_arch, geometry_override, get_kernel, template_args, 
 from .dialect import prelude
 from .quant_matvec import (
     _MMA_HEADER_CUDA,
+    _RUNS_HEADER_CUDA,
     _STREAM_HEADER_CUDA,
     MMA_ARCH,
     Q4_0,
@@ -144,9 +145,12 @@ _BODY_CUDA = r"""
       const int ob = os[r] + 2 + 4 * t;  // qs[4t .. 4t+3], 2-byte aligned
       u[r] = __funnelshift_r(g4_smem[ob >> 2], g4_smem[(ob >> 2) + 1], (ob & 3) * 8);
     }
+    // weights 4t, 4t+1 (a0, a1) and 4t+2, 4t+3 (a2, a3) of each half: the same k order as the B words
+    const uint32_t lo0 = u[0] & 0x0F0F0F0Fu, lo1 = u[1] & 0x0F0F0F0Fu;
+    const uint32_t hi0 = (u[0] >> 4) & 0x0F0F0F0Fu, hi1 = (u[1] >> 4) & 0x0F0F0F0Fu;
     float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    g4_mma_bf16(part, g4_q4w_lo_even(u[0]), g4_q4w_lo_even(u[1]), g4_q4w_lo_odd(u[0]), g4_q4w_lo_odd(u[1]), b00, b01);
-    g4_mma_bf16(part, g4_q4w_hi_even(u[0]), g4_q4w_hi_even(u[1]), g4_q4w_hi_odd(u[0]), g4_q4w_hi_odd(u[1]), b10, b11);
+    g4_mma_bf16(part, g4_q4_pair(lo0, 0x4140u), g4_q4_pair(lo1, 0x4140u), g4_q4_pair(lo0, 0x4342u), g4_q4_pair(lo1, 0x4342u), b00, b01);
+    g4_mma_bf16(part, g4_q4_pair(hi0, 0x4140u), g4_q4_pair(hi1, 0x4140u), g4_q4_pair(hi0, 0x4342u), g4_q4_pair(hi1, 0x4342u), b10, b11);
     acc[0] += d[0] * part[0];
     acc[2] += d[1] * part[2];
   };
@@ -179,7 +183,26 @@ _BODY_CUDA = r"""
       }
       g4_cp_async_commit();
     }
-    const bool x8 = (reinterpret_cast<size_t>(x) & 7) == 0;
+    // x as mma B fragments, one 16-byte word per (block, t), after the pieces in shared memory: the
+    // loop then reads one word per block (the lanes of a quad t the same word: a broadcast)
+    const int xoff = SETS * groups * 2304;
+    const int nbh = rbh / 18;  // blocks per gate|up row: H / 32
+    for (int i = (int)threadIdx.x; i < 4 * nbh; i += NW * 32) {
+      const int kb = (i >> 2) * 32 + 4 * (i & 3);
+      uint2 xa, xc;
+      if ((reinterpret_cast<size_t>(x) & 7) == 0) {
+        xa = __ldg(reinterpret_cast<const uint2*>(x + kb));       // x[4t .. 4t+3]
+        xc = __ldg(reinterpret_cast<const uint2*>(x + kb + 16));  // x[16+4t ..]
+      } else {
+        const unsigned short* x16 = reinterpret_cast<const unsigned short*>(x);
+        xa = make_uint2((uint32_t)__ldg(x16 + kb) | ((uint32_t)__ldg(x16 + kb + 1) << 16),
+                        (uint32_t)__ldg(x16 + kb + 2) | ((uint32_t)__ldg(x16 + kb + 3) << 16));
+        xc = make_uint2((uint32_t)__ldg(x16 + kb + 16) | ((uint32_t)__ldg(x16 + kb + 17) << 16),
+                        (uint32_t)__ldg(x16 + kb + 18) | ((uint32_t)__ldg(x16 + kb + 19) << 16));
+      }
+      reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(g4_smem) + xoff)[i] = g4_b_frags(xa, xc);
+    }
+    const uint4* xs = reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(g4_smem) + xoff) + t;
     float acc[SETS][4];
     _Pragma("unroll") for (int j = 0; j < SETS; ++j) {
       acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -190,22 +213,10 @@ _BODY_CUDA = r"""
       for (int c = ((warp - j * groups) % NW + NW) % NW; c < groups; c += NW) {
         const int p = j * groups + c;
         float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        _Pragma("unroll 4") for (int bl = 0; bl < 8; ++bl) {
-          const int kb = (c * 8 + bl) * 32 + 4 * t;
-          uint2 xa, xc;
-          if (x8) {
-            xa = __ldg(reinterpret_cast<const uint2*>(x + kb));       // x[4t .. 4t+3]
-            xc = __ldg(reinterpret_cast<const uint2*>(x + kb + 16));  // x[16+4t ..]
-          } else {
-            const unsigned short* x16 = reinterpret_cast<const unsigned short*>(x);
-            xa = make_uint2((uint32_t)__ldg(x16 + kb) | ((uint32_t)__ldg(x16 + kb + 1) << 16),
-                            (uint32_t)__ldg(x16 + kb + 2) | ((uint32_t)__ldg(x16 + kb + 3) << 16));
-            xc = make_uint2((uint32_t)__ldg(x16 + kb + 16) | ((uint32_t)__ldg(x16 + kb + 17) << 16),
-                            (uint32_t)__ldg(x16 + kb + 18) | ((uint32_t)__ldg(x16 + kb + 19) << 16));
-          }
+        _Pragma("unroll") for (int bl = 0; bl < 8; ++bl) {
+          const uint4 xb = xs[4 * (c * 8 + bl)];
           const int o = p * 2304 + g * 144 + 18 * bl;
-          block_mma(a, o, o + 8 * 144, __byte_perm(xa.x, xa.y, 0x5410), __byte_perm(xa.x, xa.y, 0x7632),
-                    __byte_perm(xc.x, xc.y, 0x5410), __byte_perm(xc.x, xc.y, 0x7632));
+          block_mma(a, o, o + 8 * 144, xb.x, xb.y, xb.z, xb.w);
         }
         acc[j][0] += a[0];
         acc[j][2] += a[2];
@@ -274,24 +285,25 @@ _BODY_CUDA = r"""
       }
     }
     __syncthreads();
-    // h, written in this launch: through L2, 16 bytes a thread (an output array: 16-byte aligned)
+    // h, written in this launch: through L2 (an output array: 8-byte aligned), into shared memory as
+    // mma B fragments, one 16-byte word per (slot, block, t)
     for (int i = (int)threadIdx.x; i < S * F / 8; i += NW * 32) {
-      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(h) + i);
-      *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(g4_smem) + hoff + 16 * i) = v;
+      const T* hp = h + (size_t)(i >> 2) * 32 + 4 * (i & 3);  // word i: block i / 4 of h [S, F] flat
+      const uint2 ha = __ldcg(reinterpret_cast<const uint2*>(hp));
+      const uint2 hc = __ldcg(reinterpret_cast<const uint2*>(hp + 16));
+      reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(g4_smem) + hoff)[i] = g4_b_frags(ha, hc);
     }
     g4_cp_async_wait<0>();
     __syncthreads();  // every warp's staged rows and h, visible to the whole block
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (sl < S) {
-      const uint8_t* hs = reinterpret_cast<const uint8_t*>(g4_smem) + hoff + (size_t)sl * F * 2 + 8 * t;
       const int nb = F / 32;
+      const uint4* hs = reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(g4_smem) + hoff) + sl * 4 * nb + t;
       const int b1 = (ks + 1) * nb / KS;
       for (int b = ks * nb / KS; b < b1; ++b) {
-        const uint2 xa = *reinterpret_cast<const uint2*>(hs + 64 * b);       // h[32b + 4t ..]
-        const uint2 xc = *reinterpret_cast<const uint2*>(hs + 64 * b + 32);  // h[32b + 16 + 4t ..]
+        const uint4 hb = hs[4 * b];
         const int o = base + g * rbf + 18 * b;
-        block_mma(acc, o, o + 8 * rbf, __byte_perm(xa.x, xa.y, 0x5410), __byte_perm(xa.x, xa.y, 0x7632),
-                  __byte_perm(xc.x, xc.y, 0x5410), __byte_perm(xc.x, xc.y, 0x7632));
+        block_mma(acc, o, o + 8 * rbf, hb.x, hb.y, hb.z, hb.w);
       }
     }
     if (t == 0) {
@@ -321,8 +333,12 @@ _BODY_CUDA = r"""
   }
 """
 
-# cp.async.wait_group takes an immediate: n from an unrolled loop folds to one case
+# cp.async.wait_group takes an immediate: n from an unrolled loop folds to one case. g4_b_frags: mma's
+# B registers of one 32-weight block for lane quad t, from bf16 v[4t .. 4t+3] and v[16+4t .. 16+4t+3]
+# given as two 8-byte words each: k slots 2t, 2t+1 take v[4t], v[4t+1], slots 2t+8, 2t+9 v[4t+2], v[4t+3],
+# as the weight pairs (g4_q4_pair of bytes 0, 1 and 2, 3 of a lane's 4 bytes) take the weights
 _WAIT_UPTO_CUDA = r"""
+__device__ __forceinline__ uint4 g4_b_frags(uint2 a, uint2 c) { return make_uint4(a.x, a.y, c.x, c.y); }
 __device__ __forceinline__ void g4_cp_async_wait_upto(int n) {  // at most n newer groups still pending
   switch (n) {
     case 0: g4_cp_async_wait<0>(); break;
@@ -335,7 +351,7 @@ __device__ __forceinline__ void g4_cp_async_wait_upto(int n) {  // at most n new
 
 _DEF = _KernelDef("g4_q4_0_moe_experts", "moe_experts", Q4_0, ("x", "ids", "wts", "wgu", "wdn", "counters"),
                   ("out", "h"), ("T", "NW", "SETS", "S", "SMEM"),
-                  {"metal": ("", ""), "cuda": (prelude("cuda") + _MMA_HEADER_CUDA + _STREAM_HEADER_CUDA + _WAIT_UPTO_CUDA, _BODY_CUDA)})  # fmt: skip
+                  {"metal": ("", ""), "cuda": (prelude("cuda") + _MMA_HEADER_CUDA + _STREAM_HEADER_CUDA + _RUNS_HEADER_CUDA + _WAIT_UPTO_CUDA, _BODY_CUDA)})  # fmt: skip
 
 
 COUNTER_WORDS = 96
@@ -351,9 +367,10 @@ def new_counters() -> mx.array:
 
 
 def shared_bytes(slots: int, f: int, h: int, sets: int = SETS) -> int:
-    """Dynamic shared memory of one threadgroup: the larger of a gate|up ticket's pieces and a down
-    ticket's staged rows with h [slots, F] bf16, plus 16 bytes the block reads may run past the end."""
-    return max(sets * (h // 256) * _PIECE, slots * (16 * row_bytes(Q4_0, f) + 2 * f)) + 16
+    """Dynamic shared memory of one threadgroup: the larger of a gate|up ticket's pieces with x [H]
+    bf16 and a down ticket's staged rows with h [slots, F] bf16, plus 16 bytes the block reads may
+    run past the end."""
+    return max(sets * (h // 256) * _PIECE + 2 * h, slots * (16 * row_bytes(Q4_0, f) + 2 * f)) + 16
 
 
 def plan_moe_experts(slots: int, f: int, h: int, config: MoeConfig | None = None) -> tuple[LaunchPlan, int]:

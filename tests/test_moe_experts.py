@@ -55,12 +55,12 @@ def test_registry_cases_agree_with_the_reference():
 def test_plans():
     plan, smem = me.plan_moe_experts(8, 704, 2816)  # 26B-A4B, default: 235 gate|up + 176 down tickets of 16 warps
     assert plan.grid == (411 * 512, 1, 1) and plan.threadgroup == (512, 1, 1)
-    assert smem == 3 * 11 * 2304 + 16  # the gate|up pieces set it
+    assert smem == 3 * 11 * 2304 + 2 * 2816 + 16  # the gate|up pieces and x set it
     assert dict(plan.template)["SMEM"] == smem  # each shared size its own instantiation
     plan, smem = me.plan_moe_experts(8, 704, 2816, me.MoeConfig(sets=2, warps=8))  # 352 + 176 tickets
     assert plan.grid == (528 * 256, 1, 1) and plan.threadgroup == (256, 1, 1) and dict(plan.template)["NW"] == 8
-    assert smem == 8 * (16 * 396 + 2 * 704) + 16 > 2 * 11 * 2304 + 16  # the down rows and h set it
-    assert me.plan_moe_experts(2, 96, 256)[1] == 3 * 2304 + 16 > 2 * (16 * 54 + 2 * 96) + 16
+    assert smem == 8 * (16 * 396 + 2 * 704) + 16 > 2 * 11 * 2304 + 2 * 2816 + 16  # the down rows and h set it
+    assert me.plan_moe_experts(2, 96, 256)[1] == 3 * 2304 + 2 * 256 + 16 > 2 * (16 * 54 + 2 * 96) + 16
     plan, smem = me.plan_moe_experts(3, 64, 256, me.MoeConfig(sets=2, warps=16))  # 24 sets -> 12 tickets, 16 down tickets
     assert plan.grid == (28 * 512, 1, 1) and plan.threadgroup == (512, 1, 1) and dict(plan.template)["NW"] == 16
     with pytest.raises(ValueError, match="at most 8"):
