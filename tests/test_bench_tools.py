@@ -1,7 +1,8 @@
 """bench/tools/ab_decode.sh on the CPU (decode.py --quick): every setting runs in its own process
 with its environment, in turn, and leaves its JSON and a printed tokens/s row. bench/tools/memcheck.sh
 with a stand-in compute-sanitizer: its arguments (a limit, then files or node ids) and its verdicts.
-bench/tools/dynamic_smem_probe.py refuses a build without CUDA."""
+bench/tools/dynamic_smem_probe.py refuses a build without CUDA. bench/tools/kernel_sass.py: its loop
+counter on a hand-written SASS listing, and the CUDA source it compiles."""
 
 from __future__ import annotations
 
@@ -65,3 +66,26 @@ def test_dynamic_smem_probe_needs_cuda():
     r = subprocess.run([sys.executable, str(ROOT / "bench/tools/dynamic_smem_probe.py")], capture_output=True, text=True,
                        timeout=120, check=False)  # fmt: skip
     assert r.returncode == 2 and "needs MLX's CUDA backend" in r.stdout
+
+
+def test_kernel_sass_counts_mma_loops():
+    sys.path.insert(0, str(ROOT / "bench" / "tools"))
+    import kernel_sass
+
+    sass = """
+\t\tFunction : _ZN3mlx4core2cu8k_s3_w16EPK
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDS R2, [R3] ;
+        /*0020*/                   HMMA.16816.F32.BF16 R4, R8, R12, RZ ;
+        /*0030*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0040*/              @!P0 BRA 0x10 ;
+        /*0050*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0060*/               @P1 BRA 0x50 ;
+        /*0070*/                   EXIT ;
+"""
+    assert kernel_sass.mma_loops(sass) == {"k_s3_w16": [(4, 2)]}  # the mma-free loop is not one
+    from custom_kernels import moe_experts as me
+
+    src, names = kernel_sass.cuda_source(8, 704, 2816, [me.MoeConfig(3, 16), me.MoeConfig(2, 8)])
+    assert names == ["k_s3_w16", "k_s2_w8"] and src.count("__global__ void k_s") == 2
+    assert "constexpr int SETS = 3;" in src and "constexpr int NW = 8;" in src
