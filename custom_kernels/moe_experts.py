@@ -136,14 +136,17 @@ _BODY_CUDA = r"""
   const uint32_t smem_addr = g4_shared_addr(g4_smem);
   const unsigned short* S16 = reinterpret_cast<const unsigned short*>(g4_smem);
   // one 32-weight block (bytes at o0 for fragment row g, o1 for row g + 8) against x pairs b*
-  auto block_mma = [&](float* acc, int o0, int o1, uint32_t b00, uint32_t b01, uint32_t b10, uint32_t b11) {
+  // (halves: read qs as two 2-byte words, for offsets whose alignment is known only at run time)
+  auto block_mma = [&](float* acc, int o0, int o1, uint32_t b00, uint32_t b01, uint32_t b10, uint32_t b11,
+                       bool halves) {
     uint32_t u[2];
     float d[2];
     const int os[2] = {o0, o1};
     _Pragma("unroll") for (int r = 0; r < 2; ++r) {  // (not h: the output of that name)
       d[r] = g4_half_bits(S16[os[r] >> 1]);
       const int ob = os[r] + 2 + 4 * t;  // qs[4t .. 4t+3], 2-byte aligned
-      u[r] = __funnelshift_r(g4_smem[ob >> 2], g4_smem[(ob >> 2) + 1], (ob & 3) * 8);
+      u[r] = halves ? (uint32_t)S16[ob >> 1] | ((uint32_t)S16[(ob >> 1) + 1] << 16)
+                    : __funnelshift_r(g4_smem[ob >> 2], g4_smem[(ob >> 2) + 1], (ob & 3) * 8);
     }
     // weights 4t, 4t+1 (a0, a1) and 4t+2, 4t+3 (a2, a3) of each half: the same k order as the B words
     const uint32_t lo0 = u[0] & 0x0F0F0F0Fu, lo1 = u[1] & 0x0F0F0F0Fu;
@@ -216,7 +219,7 @@ _BODY_CUDA = r"""
         _Pragma("unroll") for (int bl = 0; bl < 8; ++bl) {
           const uint4 xb = xs[4 * (c * 8 + bl)];
           const int o = p * 2304 + g * 144 + 18 * bl;
-          block_mma(a, o, o + 8 * 144, xb.x, xb.y, xb.z, xb.w);
+          block_mma(a, o, o + 8 * 144, xb.x, xb.y, xb.z, xb.w, false);
         }
         acc[j][0] += a[0];
         acc[j][2] += a[2];
@@ -303,7 +306,7 @@ _BODY_CUDA = r"""
       for (int b = ks * nb / KS; b < b1; ++b) {
         const uint4 hb = hs[4 * b];
         const int o = base + g * rbf + 18 * b;
-        block_mma(acc, o, o + 8 * rbf, hb.x, hb.y, hb.z, hb.w);
+        block_mma(acc, o, o + 8 * rbf, hb.x, hb.y, hb.z, hb.w, true);
       }
     }
     if (t == 0) {
