@@ -392,12 +392,19 @@ def plan_moe_experts(slots: int, f: int, h: int, config: MoeConfig | None = None
     return LaunchPlan(template, grid, (32 * cfg.warps, 1, 1), (h,)), smem
 
 
-def moe_experts_supported(x: mx.array, ids: mx.array, f: int, h: int) -> bool:
-    """True when the one-launch kernel takes this call: CUDA (sm_80+), bf16 x of one token, at
-    most 8 slots, H % 256 == 0, F % 32 == 0, the staged rows within SHARED_LIMIT."""
-    return (backend() == "cuda" and cuda_arch() >= MMA_ARCH and x.dtype == mx.bfloat16 and x.size == h
-            and math.prod(ids.shape[:-1]) == 1 and ids.shape[-1] <= MAX_SLOTS and h % 256 == 0 and f % 32 == 0
-            and shared_bytes(ids.shape[-1], f, h, geometry_override(MoeConfig(), MOE_GEOMETRY_ENV).sets) <= SHARED_LIMIT)  # fmt: skip
+def moe_experts_supported(x: mx.array, ids: mx.array, f: int, h: int, config: MoeConfig | None = None) -> bool:
+    """True when the one-launch kernel takes this call: CUDA (sm_80+), bf16 x of one token, and
+    shapes plan_moe_experts accepts for config (default: MoeConfig with GEMMA4_MLX_MOE_GEOMETRY,
+    whose bad values are errors, not a fallback)."""
+    if not (backend() == "cuda" and cuda_arch() >= MMA_ARCH and x.dtype == mx.bfloat16 and x.size == h
+            and math.prod(ids.shape[:-1]) == 1):  # fmt: skip
+        return False
+    cfg = config or geometry_override(MoeConfig(), MOE_GEOMETRY_ENV)
+    try:
+        plan_moe_experts(ids.shape[-1], f, h, cfg)
+    except ValueError:  # more than 8 slots, H % 256, F % 32, shared memory over SHARED_LIMIT
+        return False
+    return True
 
 
 def launch_moe_experts(x: mx.array, ids: mx.array, weights: mx.array, gate_up_blocks: mx.array,
@@ -439,11 +446,13 @@ def q4_0_moe_experts(x: mx.array, ids: mx.array, weights: mx.array, gate_up_bloc
     """A MoE layer's Q4_0 experts (module doc) -> [..., H] in x.dtype: one launch where the family
     "moe_one_launch" is on and moe_experts_supported; else q4_0_gate_up_gather then q4_0_moe_down."""
     _check(x, ids, weights, gate_up_blocks, down_blocks, f)
-    if use_kernel("moe_one_launch") and moe_experts_supported(x, ids, f, x.shape[-1]):
-        if counters.dtype != mx.uint32 or counters.shape != (COUNTER_WORDS,):
-            raise ValueError(f"counters must be uint32 [{COUNTER_WORDS}] (new_counters()), got {counters.dtype} "
-                             f"{counters.shape}")
-        return launch_moe_experts(x, ids, weights, gate_up_blocks, down_blocks, counters, f)[0]
+    if use_kernel("moe_one_launch"):
+        cfg = geometry_override(MoeConfig(), MOE_GEOMETRY_ENV)
+        if moe_experts_supported(x, ids, f, x.shape[-1], cfg):
+            if counters.dtype != mx.uint32 or counters.shape != (COUNTER_WORDS,):
+                raise ValueError(f"counters must be uint32 [{COUNTER_WORDS}] (new_counters()), got {counters.dtype} "
+                                 f"{counters.shape}")
+            return launch_moe_experts(x, ids, weights, gate_up_blocks, down_blocks, counters, f, cfg)[0]
     gelu = q4_0_gate_up_gather(x, ids, gate_up_blocks, f)
     return q4_0_moe_down(gelu, ids, weights, down_blocks, x.shape[-1])
 

@@ -105,6 +105,12 @@ def test_routing_on_faked_cuda(monkeypatch):
     me.q4_0_moe_experts(x, ids, wts, gu96, dn96, me.new_counters(), 96)
     assert calls == [(1, 256)]
     calls.clear()
+    gu10, dn10 = _layer(rng, experts=10)  # 9 slots, and H = 288 (not a multiple of 256): two ops
+    me.q4_0_moe_experts(x, mx.array(np.arange(9, dtype=np.int32)[None]), mx.ones((1, 9)), gu10, dn10, me.new_counters(), 64)
+    gu288, dn288 = _layer(rng, h=288)
+    me.q4_0_moe_experts(mx.zeros((1, 288), mx.bfloat16), ids, wts, gu288, dn288, me.new_counters(), 64)
+    assert calls == ["gate_up", "down"] * 2
+    calls.clear()
     monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "moe_one_launch")
     me.q4_0_moe_experts(x, ids, wts, gu, dn, me.new_counters(), 64)
     monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV)
