@@ -37,11 +37,11 @@ measurements of one family against the rest, or a workaround); it wins over UNPR
 UNPROVEN_ENV = "GEMMA4_MLX_UNPROVEN_KERNELS"
 """Comma-separated op families the model uses only when named here: families not on by default,
 because they have not passed ``pytest -m gpu`` on real hardware yet or showed no measured gain there
-(``norm_moe``, ``router_proj``; on Metal also the CUDA_ONLY ones)."""
+(on Metal the CUDA_ONLY ones)."""
 
 PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split",
                     "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
-                    "matvec_gelu_mul", "moe_one_launch"})  # fmt: skip
+                    "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj"})  # fmt: skip
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
@@ -67,15 +67,23 @@ passed its operator and model tests in session 18 (E4B at 4K 221.6 / 227.5 tok/s
 "moe_one_launch" (a MoE layer's one-token Q4_0 experts in one launch, custom_kernels.moe_experts,
 CUDA only) passed its registry cases, operator tests, the MoE model test and compute-sanitizer in
 session 20 (26B-A4B expert path 28.8 us per call against the two launches' 39.2; decode at 4K
-233.7 / 243.0 tok/s against 218.2 / 243.3 in alternated processes).
+233.7 / 243.0 tok/s against 218.2 / 243.3 in alternated processes); "norm_moe" (a MoE layer's
+residual add after attention with the three norms of it the layer reads, one launch) and
+"router_proj" (the router's bf16 projection as one kernel) passed their operator tests in sessions
+9-11 and the model tests (every family on) since; they became CUDA defaults together in session 21,
+when settings alternated in one process (bench/tools/inprocess_ab.py, 26B-A4B at 4K, 4 rounds) gave
+197.4 tok/s median against 185.6 without them (ahead in all 4 rounds, host 5.04 against 5.31 ms).
 The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
-                       "matvec_gelu_mul", "moe_one_launch"})  # fmt: skip
+                       "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-FAMILIES = PROVEN | {"norm_moe", "router_proj"}
-"""Every op family the model can use: the PROVEN ones and the opt-in ones (UNPROVEN_ENV)."""
+OPT_IN: frozenset[str] = frozenset()
+"""Families written but not on by default on any backend (UNPROVEN_ENV turns them on): none now."""
+
+FAMILIES = PROVEN | OPT_IN
+"""Every op family the model can use."""
 
 _kernel_cache: dict[tuple, Callable] = {}
 

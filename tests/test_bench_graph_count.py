@@ -73,15 +73,16 @@ _EXPERTS = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "moe
 
 
 def _moe_counts_with(graph_count, monkeypatch, family: str):
-    """Body primitives of the tiny MoE model's step without and with opt-in `family`, and its layers."""
+    """Body primitives of the tiny MoE model's step without and with `family` (a CUDA default, so
+    "without" is GEMMA4_MLX_KERNELS_OFF), and its layers."""
     import decode
 
     import custom_kernels
 
     cfg = decode._tiny(**_KERNEL_SHAPES, **_EXPERTS)
-    base = graph_count.step_counts(cfg, 40)["body"]
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, family)
-    return base, graph_count.step_counts(cfg, 40)["body"], cfg.num_hidden_layers
+    with_family = graph_count.step_counts(cfg, 40)["body"]
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, family)
+    return graph_count.step_counts(cfg, 40)["body"], with_family, cfg.num_hidden_layers
 
 
 def test_norm_moe_cuts_a_moe_layers_norms(graph_count, monkeypatch):

@@ -2,7 +2,8 @@
 with its environment, in turn, and leaves its JSON and a printed tokens/s row. bench/tools/memcheck.sh
 with a stand-in compute-sanitizer: its arguments (a limit, then files or node ids) and its verdicts.
 bench/tools/dynamic_smem_probe.py refuses a build without CUDA. bench/tools/kernel_sass.py: its loop
-counter on a hand-written SASS listing, and the CUDA source it compiles."""
+counter on a hand-written SASS listing, and the CUDA source it compiles. bench/tools/inprocess_ab.py:
+settings alternated in one process, each traced under its own environment."""
 
 from __future__ import annotations
 
@@ -28,6 +29,30 @@ def test_ab_decode_alternates_settings(tmp_path):
     for label in ("plain", "ref"):
         doc = json.loads((tmp_path / f"ab-{label}-1.json").read_text())
         assert doc["rows"][0]["model"] == "tiny-dense" and doc["rows"][0]["gemma4_mlx"]["tok_s"] > 0
+
+
+def _inprocess_ab(tmp_path, *settings):
+    cmd = [sys.executable, str(ROOT / "bench/tools/inprocess_ab.py"), "--model", "tiny-moe", "--context", "16",
+           "--rounds", "3", "--steps", "3", "--warmup", "1", "--out", str(tmp_path / "ab.json"), *settings]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+
+
+def test_inprocess_ab_alternates_settings_in_one_process(tmp_path):
+    r = _inprocess_ab(tmp_path, "plain=", "ref=GEMMA4_MLX_KERNELS=reference", "--steady", "ref", "--steady-seconds", "0.2")
+    assert r.returncode == 0, r.stderr
+    rounds = [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("round ")]
+    assert rounds == ["round 1 plain", "round 1 ref", "round 2 ref", "round 2 plain", "round 3 plain", "round 3 ref"]
+    doc = json.loads((tmp_path / "ab.json").read_text())
+    assert doc["settings"] == {"plain": {}, "ref": {"GEMMA4_MLX_KERNELS": "reference"}}
+    assert all(len(doc["rows"][k]) == 3 and doc["summary"][k]["median_tok_s"] > 0 for k in ("plain", "ref"))
+    assert doc["steady"]["label"] == "ref" and doc["steady"]["tokens"] > 0
+
+
+def test_inprocess_ab_traces_each_setting_under_its_environment(tmp_path):
+    r = _inprocess_ab(tmp_path, "plain=", "bad=GEMMA4_MLX_KERNELS_OFF=bogus")
+    assert r.returncode != 0 and "unknown kernel families" in r.stderr  # the setting reached the trace
+    r = _inprocess_ab(tmp_path, "plain=", "plain=GEMMA4_MLX_KERNELS=reference")
+    assert r.returncode != 0 and "labels must differ" in r.stderr
 
 
 _FAKE_SANITIZER = """#!/usr/bin/env bash
