@@ -23,8 +23,10 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .dialect import compact_text
+
 __all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "mlx_kernel_name", "clear_kernel_cache",
-           "KernelSource", "MX_DTYPES", "cuda_arch", "dtype_name", "template_args", "KERNELS_ENV", "KERNELS_OFF_ENV", "UNPROVEN_ENV",
+           "KernelSource", "MX_DTYPES", "cuda_arch", "dtype_name", "template_args", "KERNELS_ENV", "KERNELS_OFF_ENV", "UNPROVEN_ENV", "KERNEL_TEXT_ENV",
            "PROVEN", "CUDA_ONLY", "FAMILIES", "geometry_override", "geometry_fields", "replace_geometry"]
 
 KERNELS_ENV = "GEMMA4_MLX_KERNELS"
@@ -33,6 +35,15 @@ KERNELS_ENV = "GEMMA4_MLX_KERNELS"
 KERNELS_OFF_ENV = "GEMMA4_MLX_KERNELS_OFF"
 """Comma-separated op families to keep on their MLX reference path even when on by default (A/B
 measurements of one family against the rest, or a workaround); it wins over UNPROVEN_ENV."""
+
+KERNEL_TEXT_ENV = "GEMMA4_MLX_KERNEL_TEXT"
+"""Environment variable: ``full`` hands MLX the CUDA kernels' text as written (comments and
+indentation: readable in MLX's PTX cache directory, which keeps each module's source); by default
+(``compact``) it gets ``dialect.compact_text`` of it, the same tokens in ~22% fewer bytes. MLX 0.32's
+CUDA ``CustomKernel::eval_gpu`` hashes a kernel's whole generated source on every evaluation (its
+module key), so the text's length is host time per launch: std::_Hash_bytes called from there took
+11.6% of a 26B-A4B decode step's host samples (py-spy --native, bench/NOTES.md, session 21).
+tests/test_metal_compile.py checks that nvcc emits the same PTX for both forms of every kernel."""
 
 UNPROVEN_ENV = "GEMMA4_MLX_UNPROVEN_KERNELS"
 """Comma-separated op families the model uses only when named here: families not on by default,
@@ -205,7 +216,8 @@ def get_kernel(
     cuda_shared_memory: int = 0,
 ) -> Callable:
     """The MLX custom-kernel object for one kernel source on the current backend, cached; MLX gets
-    the name `mlx_kernel_name(name, header, source)`.
+    the name `mlx_kernel_name(name, header, source)` of the text it is handed (on CUDA compacted,
+    see KERNEL_TEXT_ENV).
 
     ``metal`` and ``cuda`` are (header, source) pairs exactly as passed to
     ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``. Template instantiations (dtype and
@@ -214,10 +226,15 @@ def get_kernel(
     """
     which = backend()
     header, source = metal if which == "metal" else cuda
-    key = (which, name, input_names, output_names, header, source, cuda_shared_memory)
+    text_form = os.environ.get(KERNEL_TEXT_ENV, "").strip() or "compact"
+    if text_form not in ("compact", "full"):
+        raise ValueError(f"{KERNEL_TEXT_ENV} must be 'compact' or 'full', got {text_form!r}")
+    key = (which, name, input_names, output_names, header, source, cuda_shared_memory, text_form)
     kernel = _kernel_cache.get(key)
     if kernel is not None:
         return kernel
+    if which == "cuda" and text_form == "compact":  # Metal: as written (no Apple GPU measured it)
+        header, source = compact_text(header), compact_text(source)
     mlx_name = mlx_kernel_name(name, header, source)
     if which == "metal":
         kernel = mx.fast.metal_kernel(

@@ -207,3 +207,35 @@ def emit(body: str, extra_header: str = "", local: dict | None = None) -> dict[s
         return text
 
     return {d: (header(d, own(extra_header, d)), render(own(body, d), d)) for d in DIALECTS}
+
+
+def compact_text(text: str) -> str:
+    """``text`` (C++ / CUDA / Metal) without comments, indentation or blank lines; every other
+    character, line break between kept lines and string or character literal as it was, so
+    preprocessor lines stay lines and the compiler sees the same tokens. ValueError on an
+    unterminated block comment or literal."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c and text[j] != "\n":
+                j += 2 if text[j] == "\\" else 1
+            if j >= n or text[j] != c:
+                raise ValueError(f"unterminated literal at offset {i}")
+            out.append(text[i : j + 1])
+            i = j + 1
+        elif text.startswith("//", i):
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            if j < 0:
+                raise ValueError(f"unterminated block comment at offset {i}")
+            out.append(" " + "\n" * text.count("\n", i, j))  # a comment between tokens still separates them
+            i = j + 2
+        else:
+            out.append(c)
+            i += 1
+    lines = (line.strip() for line in "".join(out).split("\n"))
+    return "".join(line + "\n" for line in lines if line)

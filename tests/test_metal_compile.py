@@ -258,3 +258,40 @@ def test_cuda_text_compiles(tmp_path: Path):
         if proc.returncode != 0:
             failures.append(f"{src.name}:\n{out[-3000:]}")
     assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_compact_cuda_text_compiles_to_the_same_ptx(tmp_path: Path):
+    """MLX gets the CUDA text compacted (custom_kernels.KERNEL_TEXT_ENV): for every registry
+    instantiation nvcc emits the same PTX from it as from the text as written and pinned, so the
+    GPU runs that pinned the text cover the compact form too."""
+    import dataclasses
+
+    from custom_kernels.dialect import compact_text
+
+    inc = tmp_path / "mlx" / "backend" / "cuda" / "device"
+    inc.mkdir(parents=True)
+    (inc / "utils.cuh").write_text(MLX_CUDA_UTILS_STUB)
+    by_header: dict[str, list[KernelSpec]] = {}
+    for spec in SPECS:
+        by_header.setdefault(spec.cuda_header, []).append(spec)
+    procs = []
+    for i, specs in enumerate(by_header.values()):
+        compact = [dataclasses.replace(s, cuda_header=compact_text(s.cuda_header), cuda_source=compact_text(s.cuda_source))
+                   for s in specs]  # fmt: skip
+        assert sum(map(len, cuda_text(compact))) < sum(map(len, cuda_text(specs)))
+        for form, group in (("full", specs), ("compact", compact)):
+            src = tmp_path / f"kernels_{i}_{form}.cu"
+            src.write_text(cuda_text(group))
+            cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-ptx", "-o", str(src.with_suffix(".ptx")), f"-I{tmp_path}", str(src)]
+            procs.append((src, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    for src, proc in procs:
+        out, _ = proc.communicate()
+        assert proc.returncode == 0, f"{src.name}:\n{out[-3000:]}"
+    # nvcc names internal-linkage globals (cuda::std's customization-point objects) after the file
+    internal = re.compile(r"_ZN\d+_INTERNAL_[0-9a-f]{8}_\d+_\w+?_cu_[0-9a-f]{8}")
+    for i in range(len(by_header)):
+        full, compact = (internal.sub("_INTERNAL_", (tmp_path / f"kernels_{i}_{form}.ptx").read_text())
+                         for form in ("full", "compact"))  # fmt: skip
+        assert ".entry" in full and compact == full, f"kernels_{i}: the compact text compiles differently"
+

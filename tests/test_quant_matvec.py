@@ -454,12 +454,62 @@ def test_kernel_names_carry_a_digest_of_their_text(monkeypatch):
     seen = []
     monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: seen.append(kw["name"]) or object())
+    monkeypatch.setenv(custom_kernels.KERNEL_TEXT_ENV, "full")
     custom_kernels.clear_kernel_cache()
     try:
         custom_kernels.get_kernel("g4_k", ("a",), ("b",), ("", "metal text"), ("", "b[0] = a[0];"))
     finally:
         custom_kernels.clear_kernel_cache()
     assert seen == [a]
+
+
+def test_cuda_kernels_get_their_text_compacted(monkeypatch):
+    """On CUDA, MLX gets the text without comments and indentation (its name digests that text);
+    GEMMA4_MLX_KERNEL_TEXT=full hands it as written, anything else is refused. Metal keeps it."""
+    header, source = "// helpers\n  inline float two() { return 2.0f; }\n", "  /* body */ b[0] = a[0] * two();  // twice\n"
+    seen = []
+
+    def stand_in(**kw):
+        seen.append((kw["name"], kw["header"], kw["source"]))
+        return object()
+
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(mx.fast, "cuda_kernel", stand_in)
+    custom_kernels.clear_kernel_cache()
+    try:
+        for form in ("", "full", "compact"):
+            monkeypatch.setenv(custom_kernels.KERNEL_TEXT_ENV, form)
+            custom_kernels.get_kernel("g4_k", ("a",), ("b",), ("", "metal"), (header, source))
+        monkeypatch.setenv(custom_kernels.KERNEL_TEXT_ENV, "short")
+        with pytest.raises(ValueError, match="GEMMA4_MLX_KERNEL_TEXT must be"):
+            custom_kernels.get_kernel("g4_k", ("a",), ("b",), ("", "metal"), (header, source))
+    finally:
+        custom_kernels.clear_kernel_cache()
+    compact = ("inline float two() { return 2.0f; }\n", "b[0] = a[0] * two();\n")
+    assert seen[0] == (custom_kernels.mlx_kernel_name("g4_k", *compact), *compact)
+    assert seen[1] == (custom_kernels.mlx_kernel_name("g4_k", header, source), header, source)
+    assert len(seen) == 2  # "compact" is the default form: the cached kernel object serves it
+
+
+def test_compact_text_keeps_tokens_lines_and_literals():
+    text = (
+        "#include <cuda_bf16.h>  // a comment after a directive\n"
+        "#define TWICE(v) \\\n    (2 * (v))\n"
+        "\n"
+        "  /* a block\n     comment */ int x = 1; /* inline */ int y = 2;\n"
+        "    const char* s = \"// not a comment /* nor this */\"; char q = '\\'';\n"
+        "float f = a/b; // end\n"
+    )
+    assert dialect.compact_text(text) == (
+        "#include <cuda_bf16.h>\n"
+        "#define TWICE(v) \\\n(2 * (v))\n"
+        "int x = 1;   int y = 2;\n"
+        "const char* s = \"// not a comment /* nor this */\"; char q = '\\'';\n"
+        "float f = a/b;\n"
+    )
+    for bad in ("int x; /* open", "const char* s = \"open\nint y;"):
+        with pytest.raises(ValueError, match="unterminated"):
+            dialect.compact_text(bad)
 
 
 def test_public_ops_match_references():
