@@ -16,6 +16,13 @@ row (D a multiple of 4; other rows take the reference); thread t holds the 4-ele
 t + j TG (j < QUADS) of a, h and both weights in registers, all loaded before the first sum, so a
 row costs one memory latency; a SIMD sum and a threadgroup sum give each sum of squares.
 
+A MoE layer's end (kernel g4_residual_norm_moe_out, op family "norm_moe_out"): its two branch
+outputs normed and summed, m = T(T(w_mlp * T(mlp * r(mlp))) + T(w_moe * T(moe * r(moe)))), then the
+residual step above with m as the branch: MLX takes five launches for it (rms_norm, two residual
+norms), the kernel one.
+
+    out, x = residual_norm_moe_out(h, mlp, moe, w_mlp, w_moe, w_post, w_next, eps, scale=None)
+
 Op family "norm" (on by default on CUDA, opt-in on Metal): at one row of 5376 it takes 5.1 us on
 the H200 where rms_norm + add + rms_norm took 9.4 us, and the 31B decode step 240 launches fewer
 (bench/NOTES.md, session 9). Its first form (4-byte loads, h and the weights loaded after each sum)
@@ -32,7 +39,8 @@ from .dialect import emit
 from .sampling import BLOCK_SUM
 
 __all__ = ["kernel_specs", "residual_norm", "residual_norm_reference", "residual_norm_np", "residual_norm_moe",
-           "residual_norm_moe_reference", "residual_norm_moe_np"]
+           "residual_norm_moe_reference", "residual_norm_moe_np", "residual_norm_moe_out",
+           "residual_norm_moe_out_reference", "residual_norm_moe_out_np"]
 
 # Template: T (dtype), D (row length, a multiple of 4), TG (threads), QUADS = ceil(D / (4 TG)),
 # SCALE, NEXT.
@@ -149,6 +157,96 @@ _RESIDUAL_NORM_MOE = KernelSource(
     "g4_residual_norm_moe", ("h", "a", "w_a", "w_next", "scale", "eps", "w_next2", "r_scale", "r_root"),
     ("out", "x", "x2", "xr"), emit(_moe_body(), _HELPERS, _LOCAL))
 
+# A MoE layer's end (kernel g4_residual_norm_moe_out): the dense MLP's and the experts' outputs
+# normed (post_feedforward_layernorm_1 / _2) and summed into m, then out = T(h + T(w_post * T(m *
+# r(m)))) [* scale] and x = w_next * rmsnorm(out) as in _BODY; four sums, one barrier each (the
+# phases of `red` alternate, so a sum never overwrites one still being read).
+_MOE_OUT_BODY = r"""
+  // gemma4-mlx residual_norm_moe_out: m = w_mlp * rmsnorm(mlp) + w_moe * rmsnorm(moe);
+  // out = (h + w_post * rmsnorm(m)) [* scale]; x = w_next * rmsnorm(out)
+  constexpr int NSG = TG / 32;
+  constexpr int V = 4 * QUADS;
+  $shared float red[64];
+  const int tid = $tid;
+  const size_t base = (size_t)$tg_x * D;
+  const float e = eps[0];
+  const float s = SCALE ? static_cast<float>(scale[0]) : 1.0f;
+  float mv[V];
+  float ev[V];
+  float hv[V];
+  float w1[V];
+  float w2[V];
+  float wp[V];
+  float wn[V];
+  $unroll for (int j = 0; j < QUADS; ++j) {
+    const int c = 4 * (tid + j * TG);
+    $unroll for (int i = 0; i < 4; ++i) {
+      const int k = 4 * j + i;
+      mv[k] = 0.0f;
+      ev[k] = 0.0f;
+      hv[k] = 0.0f;
+      w1[k] = 0.0f;
+      w2[k] = 0.0f;
+      wp[k] = 0.0f;
+      wn[k] = 0.0f;
+    }
+    if (c < D) {
+      g4_load4(mlp + base + c, mv + 4 * j);
+      g4_load4(moe + base + c, ev + 4 * j);
+      g4_load4(h + base + c, hv + 4 * j);
+      g4_load4(w_mlp + c, w1 + 4 * j);
+      g4_load4(w_moe + c, w2 + 4 * j);
+      g4_load4(w_post + c, wp + 4 * j);
+      if (NEXT) g4_load4(w_next + c, wn + 4 * j);
+    }
+  }
+  float s1 = 0.0f;
+  float s2 = 0.0f;
+  $unroll for (int i = 0; i < V; ++i) {
+    s1 += mv[i] * mv[i];
+    s2 += ev[i] * ev[i];
+  }
+  const float r1 = 1.0f / @SQRT@(g4s_block_sum(s1, red, 0, tid, NSG) / (float)D + e);
+  const float r2 = 1.0f / @SQRT@(g4s_block_sum(s2, red, 1, tid, NSG) / (float)D + e);
+  float s3 = 0.0f;
+  $unroll for (int i = 0; i < V; ++i) {
+    const float n1 = g4n_round<T>(w1[i] * g4n_round<T>(mv[i] * r1));
+    const float n2 = g4n_round<T>(w2[i] * g4n_round<T>(ev[i] * r2));
+    mv[i] = g4n_round<T>(n1 + n2);
+    s3 += mv[i] * mv[i];
+  }
+  const float r3 = 1.0f / @SQRT@(g4s_block_sum(s3, red, 0, tid, NSG) / (float)D + e);
+  float s4 = 0.0f;
+  $unroll for (int j = 0; j < QUADS; ++j) {
+    const int c = 4 * (tid + j * TG);
+    if (c < D) {
+      $unroll for (int i = 0; i < 4; ++i) {
+        const int k = 4 * j + i;
+        float o = g4n_round<T>(hv[k] + g4n_round<T>(wp[k] * g4n_round<T>(mv[k] * r3)));
+        if (SCALE) o = g4n_round<T>(o * s);
+        out[base + c + i] = static_cast<T>(o);
+        hv[k] = o;
+        s4 += o * o;
+      }
+    }
+  }
+  if (NEXT) {
+    const float rn = 1.0f / @SQRT@(g4s_block_sum(s4, red, 1, tid, NSG) / (float)D + e);
+    $unroll for (int j = 0; j < QUADS; ++j) {
+      const int c = 4 * (tid + j * TG);
+      if (c < D) {
+        $unroll for (int i = 0; i < 4; ++i) {
+          x[base + c + i] = static_cast<T>(wn[4 * j + i] * g4n_round<T>(hv[4 * j + i] * rn));
+        }
+      }
+    }
+  }
+"""
+
+_RESIDUAL_NORM_MOE_OUT = KernelSource(
+    "g4_residual_norm_moe_out", ("h", "mlp", "moe", "w_mlp", "w_moe", "eps", "w_post", "w_next", "scale"),
+    ("out", "x"), emit(_MOE_OUT_BODY, _HELPERS, _LOCAL))
+
 MAX_THREADS = {"cuda": 1024, "metal": 512}  # threads per row at most (Metal: a safe pipeline size)
 
 
@@ -242,6 +340,29 @@ def residual_norm_moe(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps: f
                    eps, False, True, [h.shape] * 4)  # fmt: skip
 
 
+def residual_norm_moe_out_reference(h, mlp, moe, w_mlp, w_moe, w_post, w_next, eps: float, scale=None):
+    """MLX ops of a MoE layer's end: m = rms_norm(mlp, w_mlp) + rms_norm(moe, w_moe), then
+    ``residual_norm_reference(h, m, w_post, w_next, eps, scale)`` -> (out, x or None)."""
+    _check(h, mlp, w_mlp, None, None)
+    m, _ = residual_norm_reference(mx.fast.rms_norm(mlp, w_mlp, eps), moe, w_moe, None, eps)
+    return residual_norm_reference(h, m, w_post, w_next, eps, scale)
+
+
+def residual_norm_moe_out(h, mlp, moe, w_mlp, w_moe, w_post, w_next, eps: float, scale=None):
+    """(out, x) [..., D] as ``residual_norm_moe_out_reference``: one launch of
+    g4_residual_norm_moe_out on GPU builds when `fusable` (op family "norm_moe_out"), the MLX ops
+    otherwise."""
+    _check(h, mlp, w_mlp, w_moe, None)
+    _check(h, moe, w_post, w_next, scale)
+    if use_reference() or not fusable(h, mlp, w_mlp, w_moe) or not fusable(h, moe, w_post, w_next, scale):
+        return residual_norm_moe_out_reference(h, mlp, moe, w_mlp, w_moe, w_post, w_next, eps, scale)
+    nxt = w_next is not None
+    out, x = _launch(_RESIDUAL_NORM_MOE_OUT, [h, mlp, moe, w_mlp, w_moe, w_post, w_next if nxt else w_post,
+                                              scale if scale is not None else w_post],
+                     eps, scale is not None, nxt, [h.shape, h.shape if nxt else (1,)])  # fmt: skip
+    return out, (x if nxt else None)
+
+
 # --------------------------------------------------------------------------------------------
 # numpy oracle and emulator / compile-test registry (see custom_kernels.registry)
 # --------------------------------------------------------------------------------------------
@@ -277,6 +398,19 @@ def residual_norm_moe_np(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps
     r = (1.0 / np.sqrt((out.astype(np.float64) ** 2).mean(axis=-1, keepdims=True) + eps)).astype(np.float32)
     n0 = rnd(out * r)
     return out, x, rnd(w_next2 * n0), rnd(rnd(n0 * r_scale) * rnd(np.float32(r_root)))
+
+
+def residual_norm_moe_out_np(h, mlp, moe, w_mlp, w_moe, w_post, w_next, eps: float, scale=None, bf16: bool = False):
+    """numpy oracle of residual_norm_moe_out with the module's roundings (to bf16 when bf16=True)."""
+    from .registry import bf16_to_f32, f32_to_bf16
+
+    def rnd(v):
+        v = np.asarray(v, dtype=np.float32)
+        return bf16_to_f32(f32_to_bf16(v)) if bf16 else v
+
+    r = (1.0 / np.sqrt((mlp.astype(np.float64) ** 2).mean(axis=-1, keepdims=True) + eps)).astype(np.float32)
+    m, _ = residual_norm_np(rnd(w_mlp * rnd(mlp * r)), moe, w_moe, None, eps, None, bf16)
+    return residual_norm_np(h, m, w_post, w_next, eps, scale, bf16)
 
 
 def _case_values(rng: np.random.Generator, rows: int, d: int, bf16: bool, weights: tuple, fixed: dict):
@@ -351,9 +485,41 @@ def _cases(rng: np.random.Generator):
             _case(rng, 1, 360, "bfloat16", False, True, max_threads=64)]  # fmt: skip
 
 
+def _moe_out_case(rng: np.random.Generator, rows: int, d: int, dtype: str, scale: bool, nxt: bool,
+                  max_threads: int = 512):
+    from .registry import KernelCase, bf16_to_f32, f32_to_bf16
+
+    bf16 = dtype == "bfloat16"
+    vals, inputs = _case_values(rng, rows, d, bf16, ("w_mlp", "w_moe", "w_post", "w_next"), {"scale": [0.75]})
+    moe = (rng.standard_normal((rows, d)) * 0.5 - 0.2).astype(np.float32)
+    vals["mlp"], vals["moe"] = vals.pop("a"), bf16_to_f32(f32_to_bf16(moe)) if bf16 else moe
+    inputs["mlp"], inputs["moe"] = inputs.pop("a"), f32_to_bf16(vals["moe"]) if bf16 else vals["moe"]
+    tg, quads = _geometry(d, max_threads)
+    out, x = residual_norm_moe_out_np(vals["h"], vals["mlp"], vals["moe"], vals["w_mlp"], vals["w_moe"], vals["w_post"],
+                                      vals["w_next"] if nxt else None, _CASE_EPS, vals["scale"][0] if scale else None,
+                                      bf16)  # fmt: skip
+    tol = dict(rtol=8e-3, atol=1e-2) if bf16 else dict(rtol=2e-5, atol=1e-5)
+    return KernelCase(
+        inputs=inputs, template=_template(dtype, d, scale, nxt, max_threads), grid=(tg * rows, 1, 1),
+        threadgroup=(tg, 1, 1), output_shapes=[(rows, d), (rows, d) if nxt else (1,)],
+        output_dtypes=[dtype, dtype], expected=[out] + ([x] if nxt else []),
+        input_dtypes={k: dtype for k in ("h", "mlp", "moe", "w_mlp", "w_moe", "w_post", "w_next", "scale")}
+        if bf16 else {},
+        label=f"moe_out rows={rows} D={d} TG={tg} QUADS={quads} {dtype}{' scale' if scale else ''}{' next' if nxt else ''}",
+        **tol,
+    )  # fmt: skip
+
+
+def _moe_out_cases(rng: np.random.Generator):
+    return [_moe_out_case(rng, 2, 68, "float32", True, True), _moe_out_case(rng, 1, 360, "float32", False, True, 32),
+            _moe_out_case(rng, 2, 96, "bfloat16", True, True), _moe_out_case(rng, 2, 128, "float32", True, False),
+            _moe_out_case(rng, 1, 360, "bfloat16", True, True, 64)]  # fmt: skip
+
+
 def kernel_specs():
     """KernelSpecs of the residual-norm kernels (idle threads, one and several quads per thread)."""
     from .registry import KernelSpec
 
     return [KernelSpec(k.name, k.input_names, k.output_names, *k.text["metal"], *k.text["cuda"], cases)
-            for k, cases in ((_RESIDUAL_NORM, _cases), (_RESIDUAL_NORM_MOE, _moe_cases))]
+            for k, cases in ((_RESIDUAL_NORM, _cases), (_RESIDUAL_NORM_MOE, _moe_cases),
+                             (_RESIDUAL_NORM_MOE_OUT, _moe_out_cases))]  # fmt: skip

@@ -15,7 +15,7 @@ import mlx.nn as nn
 
 from custom_kernels import use_kernel
 from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention
-from custom_kernels.norm import residual_norm, residual_norm_moe, residual_norm_reference
+from custom_kernels.norm import residual_norm, residual_norm_moe, residual_norm_moe_out, residual_norm_reference
 from custom_kernels.quant_matvec import gelu_tanh
 from custom_kernels.rope import inverse_frequencies, norm_rope
 from custom_kernels.router import route, router_logits
@@ -294,6 +294,12 @@ class DecoderLayer(nn.Module):
             h, x, x_experts, x_router = self._moe_inputs(h, a)
             weights, indices = self.router.select(x_router)
             moe = self.experts(x_experts, weights, indices)
+            if not self.ple and use_kernel("norm_moe_out"):  # the layer's end in one launch
+                return residual_norm_moe_out(h, self.mlp(x), moe, self.post_feedforward_layernorm_1.weight,
+                                             self.post_feedforward_layernorm_2.weight,
+                                             self.post_feedforward_layernorm.weight,
+                                             None if next_norm is None else next_norm.weight,
+                                             self.post_feedforward_layernorm.eps, self.layer_scalar)  # fmt: skip
             # post_ff_norm_1(mlp) + post_ff_norm_2(moe): the residual-norm op (one launch for the
             # second norm and the add on GPUs)
             m, _ = add_norm(self.post_feedforward_layernorm_1(self.mlp(x)), moe, self.post_feedforward_layernorm_2)

@@ -191,6 +191,36 @@ def test_moe_layer_with_the_norm_moe_path_equals_the_default(moe_fixture, monkey
     assert len(calls) == 3 * sum(layer.spec.moe for layer in model.layers)
 
 
+def test_moe_layer_with_the_norm_moe_out_path_equals_the_default(moe_fixture, monkeypatch):
+    """Family "norm_moe_out" ends a MoE layer with one op (both branch norms, their sum and the
+    residual norm step with the layer scalar and the next layer's input norm). Its op runs its MLX
+    reference here (CPU), so the wiring is checked: the same logits, prefill and one-token steps."""
+    import gemma4_mlx.model as model_module
+
+    path = moe_fixture.gguf("q8_0")
+    model, _ = load_gguf(path, dtype=mx.float32, progress=False, weight_format="blocks")
+    ids = ids_for(moe_fixture, 14, seed=29)
+    for layer in model.layers:  # layer scalars other than 1, so a dropped or misplaced one shows
+        layer.layer_scalar = mx.array([0.5 + 0.1 * layer.spec.index], dtype=mx.float32)
+
+    def run():
+        cache = make_cache(model.cfg)
+        return np.concatenate([np.array(model(mx.array(c[None]), cache)) for c in (ids[:12], ids[12:13], ids[13:])], 1)
+
+    default = run()
+    calls = []
+    real = model_module.residual_norm_moe_out
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(model_module, "residual_norm_moe_out", counted)
+    monkeypatch.setattr(model_module, "use_kernel", lambda family: family == "norm_moe_out")
+    assert rel_err(run(), default) <= 1e-6
+    assert len(calls) == 3 * sum(layer.spec.moe for layer in model.layers) > 0
+
+
 def test_fused_projections_share_one_copy_and_fall_back_when_replaced(any_fixture):
     """fuse_projections: each module's blocks is a view of the fused matrix holding the file's
     bytes; a module whose blocks are replaced afterwards turns the fused path off (same logits)."""

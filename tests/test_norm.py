@@ -18,7 +18,7 @@ def test_reference_matches_oracle(d, scale, nxt):
     s = 0.75
     want_out, want_x = norm.residual_norm_np(h, a, w_a, w_n if nxt else None, 1e-6, np.float32(s) if scale else None)
     out, x = norm.residual_norm(mx.array(h), mx.array(a), mx.array(w_a), mx.array(w_n) if nxt else None, 1e-6,
-                                mx.array([s]) if scale else None)  # fmt: skip
+                                mx.array([float(s)]) if scale else None)  # fmt: skip
     assert np.allclose(np.array(out), want_out, rtol=1e-5, atol=1e-5)
     assert (x is None) == (not nxt)
     if nxt:
@@ -74,3 +74,26 @@ def test_moe_reference_matches_oracle():
     assert np.allclose(np.array(got[2]) * w[1], np.array(got[1]) * w[2], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="expected"):
         norm.residual_norm_moe(mx.array(h), mx.array(a), *(mx.array(t) for t in w[:3]), mx.ones((d + 1,)), 0.1, 1e-6)
+
+
+@pytest.mark.parametrize("scale,nxt", [(True, True), (False, False)])
+def test_moe_out_reference_matches_oracle(scale, nxt):
+    rng = np.random.default_rng(13)
+    d = 96
+    h, mlp, moe = (rng.standard_normal((3, d)).astype(np.float32) * f for f in (4, 0.3, 2))
+    w = [rng.uniform(0.2, 2, d).astype(np.float32) for _ in range(4)]
+    s = np.float32(0.75)
+    want = norm.residual_norm_moe_out_np(h, mlp, moe, *w[:3], w[3] if nxt else None, 1e-6, s if scale else None)
+    args = [mx.array(t) for t in (h, mlp, moe, *w)]
+    got = norm.residual_norm_moe_out(*args[:6], args[6] if nxt else None, 1e-6, mx.array([float(s)]) if scale else None)
+    assert (got[1] is None) == (not nxt) and (want[1] is None) == (not nxt)
+    for g, e in zip(got, want):
+        if e is not None:
+            assert np.allclose(np.array(g), e, rtol=1e-5, atol=1e-5)
+    # the same as the two residual-norm steps it replaces
+    m, _ = norm.residual_norm_reference(mx.fast.rms_norm(args[1], args[3], 1e-6), args[2], args[4], None, 1e-6)
+    two = norm.residual_norm_reference(args[0], m, args[5], args[6] if nxt else None, 1e-6, mx.array([float(s)]) if scale else None)
+    assert np.array_equal(np.array(two[0]), np.array(got[0]))
+    with pytest.raises(ValueError, match="expected"):
+        norm.residual_norm_moe_out(*args[:3], mx.ones((d + 1,)), *args[4:], 1e-6)
+

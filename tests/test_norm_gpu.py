@@ -87,3 +87,36 @@ def test_moe_kernel_matches_oracle_and_mlx(d, dtype):
             else:
                 assert np.allclose(g, w_, rtol=2e-5, atol=1e-5)
                 assert np.allclose(g, np.array(r_), rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [2816, 5376, 68])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("scale,nxt", [(True, True), (False, True), (True, False)])
+def test_moe_out_kernel_matches_oracle_and_mlx(d, dtype, scale, nxt):
+    """g4_residual_norm_moe_out (family "norm_moe_out"): out and x against the numpy oracle and
+    MLX's own ops, 1 and 3 rows; outputs poisoned beforehand are overwritten."""
+    rng = np.random.default_rng(d + 9)
+    bf16 = dtype == mx.bfloat16
+    for rows in (1, 3):
+        h, mlp, w_mlp, w_n, s = _inputs(rng, rows, d, bf16)
+        moe, w_moe, w_post = _inputs(rng, rows, d, bf16)[1:4]
+        want = norm.residual_norm_moe_out_np(h, mlp, moe, w_mlp, w_moe, w_post, w_n if nxt else None, 1e-6,
+                                             s[0] if scale else None, bf16)  # fmt: skip
+        args = [mx.array(t).astype(dtype) for t in (h, mlp, moe, w_mlp, w_moe, w_post, w_n, s)]
+        call = (*args[:6], args[6] if nxt else None, 1e-6, args[7] if scale else None)
+        mx.eval(mx.full((1 << 22,), float("nan"), dtype))
+        got = norm.residual_norm_moe_out(*call)
+        ref = norm.residual_norm_moe_out_reference(*call)
+        assert (got[1] is None) == (not nxt)
+        for g_, w_, r_ in zip(got, want, ref):
+            if w_ is None:
+                continue
+            g = np.array(g_.astype(mx.float32))
+            assert not np.isnan(g).any()
+            if bf16:
+                assert np.allclose(g, w_, rtol=8e-3, atol=1e-2)
+                assert np.sum(g != np.array(r_.astype(mx.float32))) <= max(2, 0.01 * g.size)
+            else:
+                assert np.allclose(g, w_, rtol=2e-5, atol=1e-5)
+                assert np.allclose(g, np.array(r_), rtol=2e-5, atol=1e-5)
+
