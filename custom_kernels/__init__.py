@@ -52,7 +52,7 @@ because they have not passed ``pytest -m gpu`` on real hardware yet or showed no
 
 PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split",
                     "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
-                    "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj"})  # fmt: skip
+                    "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out"})  # fmt: skip
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
@@ -83,17 +83,19 @@ residual add after attention with the three norms of it the layer reads, one lau
 "router_proj" (the router's bf16 projection as one kernel) passed their operator tests in sessions
 9-11 and the model tests (every family on) since; they became CUDA defaults together in session 21,
 when settings alternated in one process (bench/tools/inprocess_ab.py, 26B-A4B at 4K, 4 rounds) gave
-197.4 tok/s median against 185.6 without them (ahead in all 4 rounds, host 5.04 against 5.31 ms).
+197.4 tok/s median against 185.6 without them (ahead in all 4 rounds, host 5.04 against 5.31 ms);
+"norm_moe_out" (a MoE layer's end: both branch post-norms, their sum and the residual norm step in
+one launch, custom_kernels.norm) passed its registry cases, operator tests, compute-sanitizer and the
+model tests in session 21 and became a CUDA default there (26B-A4B at 4K 210.0 tok/s median against
+195.3 in one process, ahead in all 3 rounds).
 The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
-                       "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj"})  # fmt: skip
+                       "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"norm_moe_out"})
-"""Families written but not on by default on any backend (UNPROVEN_ENV turns them on): "norm_moe_out"
-(a MoE layer's end, its two branch norms and the residual norm step in one launch; not yet run on a
-GPU)."""
+OPT_IN: frozenset[str] = frozenset()
+"""Families written but not on by default on any backend (UNPROVEN_ENV turns them on): none now."""
 
 FAMILIES = PROVEN | OPT_IN
 """Every op family the model can use."""

@@ -330,7 +330,7 @@ def residual_norm_moe_reference(h, a, w_a, w_next, w_next2, r_scale, r_root: flo
 def residual_norm_moe(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps: float):
     """(out, x, x2, xr) [..., D] as ``residual_norm_moe_reference``: one launch of
     g4_residual_norm_moe on GPU builds when `fusable`, the MLX ops otherwise (op family
-    "norm_moe", opt-in: it passes ``pytest -m gpu`` on the H200, no gain measured there)."""
+    "norm_moe", a CUDA default since session 21)."""
     _check(h, a, w_a, w_next, None)
     _check(h, a, w_next2, r_scale, None)
     if use_reference() or not fusable(h, a, w_a, w_next) or not fusable(h, a, w_next2, r_scale):
@@ -350,8 +350,8 @@ def residual_norm_moe_out_reference(h, mlp, moe, w_mlp, w_moe, w_post, w_next, e
 
 def residual_norm_moe_out(h, mlp, moe, w_mlp, w_moe, w_post, w_next, eps: float, scale=None):
     """(out, x) [..., D] as ``residual_norm_moe_out_reference``: one launch of
-    g4_residual_norm_moe_out on GPU builds when `fusable` (op family "norm_moe_out"), the MLX ops
-    otherwise."""
+    g4_residual_norm_moe_out on GPU builds when `fusable` (op family "norm_moe_out", a CUDA default
+    since session 21), the MLX ops otherwise."""
     _check(h, mlp, w_mlp, w_moe, None)
     _check(h, moe, w_post, w_next, scale)
     if use_reference() or not fusable(h, mlp, w_mlp, w_moe) or not fusable(h, moe, w_post, w_next, scale):

@@ -95,18 +95,10 @@ def test_norm_moe_cuts_a_moe_layers_norms(graph_count, monkeypatch):
 
 
 def test_norm_moe_out_ends_a_moe_layer_in_one_kernel(graph_count, monkeypatch):
-    """With opt-in family "norm_moe_out" a MoE layer's end (the dense MLP's post-norm, the add of
-    the experts' normed output, the residual norm step) is one kernel instead of an MLX norm and
-    two residual-norm kernels."""
-    import decode
-
-    import custom_kernels
-
-    cfg = decode._tiny(**_KERNEL_SHAPES, **_EXPERTS)
-    base = graph_count.step_counts(cfg, 40)["body"]
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "norm_moe_out")
-    fused = graph_count.step_counts(cfg, 40)["body"]
-    layers = cfg.num_hidden_layers
+    """With family "norm_moe_out" a MoE layer's end (the dense MLP's post-norm, the add of the
+    experts' normed output, the residual norm step) is one kernel instead of an MLX norm and two
+    residual-norm kernels."""
+    base, fused, layers = _moe_counts_with(graph_count, monkeypatch, "norm_moe_out")
     assert base["RMSNorm"] - fused.get("RMSNorm", 0) == layers
     assert base["CustomKernel"] - fused["CustomKernel"] == layers
     assert sum(base.values()) - sum(fused.values()) == 2 * layers
