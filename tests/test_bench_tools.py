@@ -3,7 +3,8 @@ with its environment, in turn, and leaves its JSON and a printed tokens/s row. b
 with a stand-in compute-sanitizer: its arguments (a limit, then files or node ids) and its verdicts.
 bench/tools/dynamic_smem_probe.py refuses a build without CUDA. bench/tools/kernel_sass.py: its loop
 counter on a hand-written SASS listing, and the CUDA source it compiles. bench/tools/inprocess_ab.py:
-settings alternated in one process, each traced under its own environment."""
+settings alternated in one process, each traced under its own environment. bench/tools/host_profile.py:
+shares of py-spy's folded stacks below one frame."""
 
 from __future__ import annotations
 
@@ -53,6 +54,33 @@ def test_inprocess_ab_traces_each_setting_under_its_environment(tmp_path):
     assert r.returncode != 0 and "unknown kernel families" in r.stderr  # the setting reached the trace
     r = _inprocess_ab(tmp_path, "plain=", "plain=GEMMA4_MLX_KERNELS=reference")
     assert r.returncode != 0 and "labels must differ" in r.stderr
+
+
+def test_host_profile_counts_only_stacks_below_the_frame(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "bench" / "tools"))
+    import host_profile
+
+    raw = tmp_path / "stacks.txt"
+    raw.write_text(
+        "<module> (x.py:1);main (x.py:2);build (x.py:3);nvrtcCompileProgram (libnvrtc.so) 50\n"
+        "<module> (x.py:1);steady_decode (x.py:9);mlx::core::eval_impl (libmlx.so);"
+        "mlx::core::fast::CustomKernel::eval_gpu (libmlx.so);std::_Hash_bytes (libstdc++.so.6) 3\n"
+        "<module> (x.py:1);steady_decode (x.py:9);mlx::core::eval_impl (libmlx.so);"
+        "mlx::core::fast::CustomKernel::eval_gpu (libmlx.so) 1\n"
+        "<module> (x.py:1);steady_decode (x.py:9);mlx::core::eval_impl (libmlx.so);"
+        "std::vector<mlx::core::array, std::allocator<mlx::core::array> >::_M_realloc_insert<int> (libmlx.so) 4\n"
+    )
+    stacks = host_profile.read_stacks(str(raw), "steady_decode")
+    assert sum(n for _, n in stacks) == 8  # the startup stack (nvrtc) is not counted
+    inc = host_profile.inclusive(stacks)
+    assert inc["mlx::core::eval_impl"] == 8 and inc["mlx::core::fast::CustomKernel::eval_gpu"] == 4
+    assert inc["std::vector<>::_M_realloc_insert<>"] == 4
+    below = host_profile.children(stacks, "mlx::core::fast::CustomKernel::eval_gpu")
+    assert below == {"std::_Hash_bytes": 3, "(self)": 1}
+    assert host_profile.main([str(raw), "--children", "mlx::core::fast::CustomKernel::eval_gpu"]) == 0
+    out = capsys.readouterr().out
+    assert "8 samples under steady_decode" in out and " 50.0%  mlx::core::fast::CustomKernel::eval_gpu" in out
+    assert host_profile.main([str(raw), "--frame", "nowhere"]) == 1
 
 
 _FAKE_SANITIZER = """#!/usr/bin/env bash

@@ -236,16 +236,22 @@ def cuda_text(specs: list[KernelSpec]) -> str:
     return src + "} // namespace mlx::core::cu\n"
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-def test_cuda_text_compiles(tmp_path: Path):
+def _cuda_spec_groups(tmp_path: Path) -> list[list[KernelSpec]]:
+    """The registry's specs grouped by CUDA header (one translation unit each), with MLX's device
+    utils stub written under tmp_path for nvcc's include path."""
     inc = tmp_path / "mlx" / "backend" / "cuda" / "device"
     inc.mkdir(parents=True)
     (inc / "utils.cuh").write_text(MLX_CUDA_UTILS_STUB)
     by_header: dict[str, list[KernelSpec]] = {}
     for spec in SPECS:
         by_header.setdefault(spec.cuda_header, []).append(spec)
+    return list(by_header.values())
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_text_compiles(tmp_path: Path):
     procs = []
-    for i, specs in enumerate(by_header.values()):
+    for i, specs in enumerate(_cuda_spec_groups(tmp_path)):
         src = tmp_path / f"kernels_{i}.cu"
         src.write_text(cuda_text(specs))
         # -cubin: NVCC front end, NVVM and ptxas for sm_90 (no host compilation needed)
@@ -269,14 +275,9 @@ def test_compact_cuda_text_compiles_to_the_same_ptx(tmp_path: Path):
 
     from custom_kernels.dialect import compact_text
 
-    inc = tmp_path / "mlx" / "backend" / "cuda" / "device"
-    inc.mkdir(parents=True)
-    (inc / "utils.cuh").write_text(MLX_CUDA_UTILS_STUB)
-    by_header: dict[str, list[KernelSpec]] = {}
-    for spec in SPECS:
-        by_header.setdefault(spec.cuda_header, []).append(spec)
+    groups = _cuda_spec_groups(tmp_path)
     procs = []
-    for i, specs in enumerate(by_header.values()):
+    for i, specs in enumerate(groups):
         compact = [dataclasses.replace(s, cuda_header=compact_text(s.cuda_header), cuda_source=compact_text(s.cuda_source))
                    for s in specs]  # fmt: skip
         assert sum(map(len, cuda_text(compact))) < sum(map(len, cuda_text(specs)))
@@ -290,7 +291,7 @@ def test_compact_cuda_text_compiles_to_the_same_ptx(tmp_path: Path):
         assert proc.returncode == 0, f"{src.name}:\n{out[-3000:]}"
     # nvcc names internal-linkage globals (cuda::std's customization-point objects) after the file
     internal = re.compile(r"_ZN\d+_INTERNAL_[0-9a-f]{8}_\d+_\w+?_cu_[0-9a-f]{8}")
-    for i in range(len(by_header)):
+    for i in range(len(groups)):
         full, compact = (internal.sub("_INTERNAL_", (tmp_path / f"kernels_{i}_{form}.ptx").read_text())
                          for form in ("full", "compact"))  # fmt: skip
         assert ".entry" in full and compact == full, f"kernels_{i}: the compact text compiles differently"
