@@ -238,7 +238,10 @@ def get_kernel(
     if kernel is not None:
         return kernel
     if which == "cuda" and text_form == "compact":  # Metal: as written (no Apple GPU measured it)
-        header, source = compact_text(header), compact_text(source)
+        try:
+            header, source = compact_text(header), compact_text(source)
+        except ValueError as exc:
+            raise ValueError(f"kernel {name!r}: {exc}") from None
     mlx_name = mlx_kernel_name(name, header, source)
     if which == "metal":
         kernel = mx.fast.metal_kernel(

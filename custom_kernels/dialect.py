@@ -210,13 +210,21 @@ def emit(body: str, extra_header: str = "", local: dict | None = None) -> dict[s
 
 
 def compact_text(text: str) -> str:
-    """``text`` (C++ / CUDA / Metal) without comments, indentation or blank lines; every other
-    character, line break between kept lines and string or character literal as it was, so
-    preprocessor lines stay lines and the compiler sees the same tokens. ValueError on an
+    """``text`` (C++ / CUDA / Metal) without comments, indentation, blank lines or line splices,
+    meaning what it meant: backslash-newlines are spliced first (as the preprocessor does, so a
+    ``//`` comment or a string continued that way keeps its extent), a comment inside a ``#`` line
+    becomes one space, elsewhere a block comment keeps its line breaks (a ``#`` after it still
+    starts a line); string and character literals are kept as they are. ValueError on an
     unterminated block comment or literal."""
+    text = text.replace("\\\n", "")
     out, i, n = [], 0, len(text)
+    line_start, directive = True, False
     while i < n:
         c = text[i]
+        if c == "\n":
+            line_start, directive = True, False
+        elif line_start and not c.isspace() and not text.startswith(("//", "/*"), i):
+            line_start, directive = False, c == "#"
         if c in "\"'":
             j = i + 1
             while j < n and text[j] != c and text[j] != "\n":
@@ -232,7 +240,9 @@ def compact_text(text: str) -> str:
             j = text.find("*/", i + 2)
             if j < 0:
                 raise ValueError(f"unterminated block comment at offset {i}")
-            out.append(" " + "\n" * text.count("\n", i, j))  # a comment between tokens still separates them
+            breaks = 0 if directive else text.count("\n", i, j)
+            out.append(" " + "\n" * breaks)
+            line_start = line_start or breaks > 0
             i = j + 2
         else:
             out.append(c)

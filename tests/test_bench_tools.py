@@ -80,6 +80,7 @@ def test_host_profile_counts_only_stacks_below_the_frame(tmp_path, capsys):
     assert host_profile.main([str(raw), "--children", "mlx::core::fast::CustomKernel::eval_gpu"]) == 0
     out = capsys.readouterr().out
     assert "8 samples under steady_decode" in out and " 50.0%  mlx::core::fast::CustomKernel::eval_gpu" in out
+    assert "mlx::core::fast::CustomKernel::eval_gpu: 50.0% of the samples" in out and " 37.5%  std::_Hash_bytes" in out
     assert host_profile.main([str(raw), "--frame", "nowhere"]) == 1
 
 

@@ -483,12 +483,23 @@ def test_cuda_kernels_get_their_text_compacted(monkeypatch):
         monkeypatch.setenv(custom_kernels.KERNEL_TEXT_ENV, "short")
         with pytest.raises(ValueError, match="GEMMA4_MLX_KERNEL_TEXT must be"):
             custom_kernels.get_kernel("g4_k", ("a",), ("b",), ("", "metal"), (header, source))
+        monkeypatch.setenv(custom_kernels.KERNEL_TEXT_ENV, "compact")
+        with pytest.raises(ValueError, match="kernel 'g4_bad': unterminated block comment"):
+            custom_kernels.get_kernel("g4_bad", ("a",), ("b",), ("", "metal"), ("", "b[0] = a[0]; /* open"))
     finally:
         custom_kernels.clear_kernel_cache()
     compact = ("inline float two() { return 2.0f; }\n", "b[0] = a[0] * two();\n")
     assert seen[0] == (custom_kernels.mlx_kernel_name("g4_k", *compact), *compact)
     assert seen[1] == (custom_kernels.mlx_kernel_name("g4_k", header, source), header, source)
     assert len(seen) == 2  # "compact" is the default form: the cached kernel object serves it
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "metal")
+    monkeypatch.setattr(mx.fast, "metal_kernel", stand_in, raising=False)
+    monkeypatch.delenv(custom_kernels.KERNEL_TEXT_ENV)
+    try:
+        custom_kernels.get_kernel("g4_k", ("a",), ("b",), (header, source), ("", "cuda"))
+    finally:
+        custom_kernels.clear_kernel_cache()
+    assert seen[2] == (custom_kernels.mlx_kernel_name("g4_k", header, source), header, source)
 
 
 def test_compact_text_keeps_tokens_lines_and_literals():
@@ -502,7 +513,7 @@ def test_compact_text_keeps_tokens_lines_and_literals():
     )
     assert dialect.compact_text(text) == (
         "#include <cuda_bf16.h>\n"
-        "#define TWICE(v) \\\n(2 * (v))\n"
+        "#define TWICE(v)     (2 * (v))\n"
         "int x = 1;   int y = 2;\n"
         "const char* s = \"// not a comment /* nor this */\"; char q = '\\'';\n"
         "float f = a/b;\n"
@@ -510,6 +521,13 @@ def test_compact_text_keeps_tokens_lines_and_literals():
     for bad in ("int x; /* open", "const char* s = \"open\nint y;"):
         with pytest.raises(ValueError, match="unterminated"):
             dialect.compact_text(bad)
+    # the preprocessor's view: splices first, a comment in a directive is one space, a # after a
+    # block comment's line break still starts a directive line
+    assert dialect.compact_text("#define A 1 \\\n\nint y;\n") == "#define A 1\nint y;\n"
+    assert dialect.compact_text("int a; // note \\\nint hidden;\nint b;\n") == "int a;\nint b;\n"
+    assert dialect.compact_text("#define A 1 /* x\ny */ + 2\n") == "#define A 1   + 2\n"
+    assert dialect.compact_text("int a; /* x\n */ #define B 1 /* y\n z */ + 2\n") == "int a;\n#define B 1   + 2\n"
+    assert dialect.compact_text('const char* s = "ab\\\n  cd";\n') == 'const char* s = "ab  cd";\n'
 
 
 def test_public_ops_match_references():

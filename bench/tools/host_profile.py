@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         shown += 1
     for parent in args.children:
         below = children(stacks, parent)
-        print(f"\n{parent}: {sum(below.values())} samples")
+        share = 100 * sum(below.values()) / total
+        print(f"\n{parent}: {share:.1f}% of the samples; below it (shares of all samples):")
         for name, n in below.most_common(12):
             print(f"{100 * n / total:6.1f}%  {name[:140]}")
     return 0

@@ -8,7 +8,11 @@ settings on the same weights, allocator and clocks:
     python bench/tools/inprocess_ab.py --model 26B-A4B --context 4096 --rounds 4 --steps 128 \
         default= nm="GEMMA4_MLX_UNPROVEN_KERNELS=norm_moe,router_proj" [--steady nm --steady-seconds 8]
 
-SETTING = label=[VAR=VALUE ...] (space-separated). Each round runs every setting once (pipelined
+SETTING = label=[VAR=VALUE ...] (space-separated). A setting's variables are set only while its
+decoder is traced, so they must be ones the step reads then (kernel families, geometries,
+GEMMA4_MLX_KERNEL_TEXT); what is read when the model is built or by MLX at start-up (MLX_*) does not
+vary between settings: compare those in separate processes (bench/tools/ab_decode.sh).
+Each round runs every setting once (pipelined
 greedy decode like bench/decode.py: warm-up, then --steps timed tokens); the order rotates by one
 setting per round. --steady NAME then decodes with that setting for --steady-seconds inside
 `steady_decode`, a frame a sampling profiler (py-spy --native) can select on. JSON to --out.
