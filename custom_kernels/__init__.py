@@ -23,7 +23,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .dialect import compact_text
+from .dialect import compact_text, prune_helpers
 
 __all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "mlx_kernel_name", "clear_kernel_cache",
            "KernelSource", "MX_DTYPES", "cuda_arch", "dtype_name", "template_args", "KERNELS_ENV", "KERNELS_OFF_ENV", "UNPROVEN_ENV", "KERNEL_TEXT_ENV",
@@ -43,7 +43,9 @@ indentation: readable in MLX's PTX cache directory, which keeps each module's so
 CUDA ``CustomKernel::eval_gpu`` hashes a kernel's whole generated source on every evaluation (its
 module key), so the text's length is host time per launch: std::_Hash_bytes called from there took
 11.6% of a 26B-A4B decode step's host samples (py-spy --native, bench/NOTES.md, session 21).
-tests/test_metal_compile.py checks that nvcc emits the same PTX for both forms of every kernel."""
+``pruned`` (opt-in, not yet measured on a GPU) also drops the header's helper functions the kernel
+never calls (``dialect.prune_helpers``: ~27% fewer bytes than compact). tests/test_metal_compile.py
+checks that nvcc emits the same PTX for all three forms of every kernel."""
 
 UNPROVEN_ENV = "GEMMA4_MLX_UNPROVEN_KERNELS"
 """Comma-separated op families the model uses only when named here: families not on by default,
@@ -231,17 +233,19 @@ def get_kernel(
     which = backend()
     header, source = metal if which == "metal" else cuda
     text_form = os.environ.get(KERNEL_TEXT_ENV, "").strip() or "compact"
-    if text_form not in ("compact", "full"):
-        raise ValueError(f"{KERNEL_TEXT_ENV} must be 'compact' or 'full', got {text_form!r}")
+    if text_form not in ("compact", "full", "pruned"):
+        raise ValueError(f"{KERNEL_TEXT_ENV} must be 'compact', 'full' or 'pruned', got {text_form!r}")
     key = (which, name, input_names, output_names, header, source, cuda_shared_memory, text_form)
     kernel = _kernel_cache.get(key)
     if kernel is not None:
         return kernel
-    if which == "cuda" and text_form == "compact":  # Metal: as written (no Apple GPU measured it)
+    if which == "cuda" and text_form != "full":  # Metal: as written (no Apple GPU measured it)
         try:
             header, source = compact_text(header), compact_text(source)
         except ValueError as exc:
             raise ValueError(f"kernel {name!r}: {exc}") from None
+        if text_form == "pruned":
+            header = prune_helpers(header, source)
     mlx_name = mlx_kernel_name(name, header, source)
     if which == "metal":
         kernel = mx.fast.metal_kernel(

@@ -249,3 +249,89 @@ def compact_text(text: str) -> str:
             i += 1
     lines = (line.strip() for line in "".join(out).split("\n"))
     return "".join(line + "\n" for line in lines if line)
+
+
+_IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _top_level_items(text: str) -> list[str]:
+    """``text`` cut into its top-level items: preprocessor lines, and declarations or definitions
+    ending at a ``;`` or a closing ``}`` (plus an optional ``;``) at brace depth 0, each with the
+    rest of its line if that is blank; literals skipped."""
+    items, depth, start, i, n = [], 0, 0, 0, len(text)
+
+    def line_rest(j: int) -> int:
+        k = j
+        while k < n and text[k] in " \t":
+            k += 1
+        return k + 1 if k < n and text[k] == "\n" else j
+    while i < n:
+        c = text[i]
+        if c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            i = j + 1
+            continue
+        if depth == 0 and c == "#" and not text[start:i].strip():
+            j = text.find("\n", i)
+            j = n if j < 0 else j + 1
+            items.append(text[start:j])
+            start = i = j
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                j = i + 1
+                if text.startswith(";", j):
+                    j += 1
+                j = line_rest(j)
+                items.append(text[start:j])
+                start, i = j, j
+                continue
+        elif c == ";" and depth == 0:
+            j = line_rest(i + 1)
+            items.append(text[start:j])
+            start = i = j
+            continue
+        i += 1
+    if text[start:].strip():
+        items.append(text[start:])
+    return items
+
+
+def _function_name(item: str) -> str | None:
+    """The name of a plain function definition (``... name(args) { ... }``), else None: directives,
+    declarations, structs, variables and operators are never pruned."""
+    head = item.split("{", 1)[0]
+    if item.lstrip().startswith("#") or "{" not in item or "(" not in head or "=" in head.split("(", 1)[0]:
+        return None
+    if re.search(r"\b(struct|union|class|operator|enum)\b", head):
+        return None
+    names = _IDENT_RE.findall(head.split("(", 1)[0])
+    return names[-1] if names else None
+
+
+def prune_helpers(header: str, source: str) -> str:
+    """``header`` without the function definitions that neither ``source`` nor a kept item names
+    (found by identifier, so every overload of a used name stays). Everything that is not a plain
+    function definition (directives, types, variables, operators) stays. The compiler sees the same
+    code for the kernel: an uncalled inline or template function emits nothing."""
+    items = _top_level_items(header)
+    names = [_function_name(item) for item in items]
+    used = set(_IDENT_RE.findall(source))
+    for item, name in zip(items, names):
+        if name is None:
+            used |= set(_IDENT_RE.findall(item))
+    kept: set[str] = set()
+    grew = True
+    while grew:
+        grew = False
+        for item, name in zip(items, names):
+            if name is not None and name in used and name not in kept:
+                kept.add(name)
+                used |= set(_IDENT_RE.findall(item))
+                grew = True
+    return "".join(item for item, name in zip(items, names) if name is None or name in kept)

@@ -273,15 +273,21 @@ def test_compact_cuda_text_compiles_to_the_same_ptx(tmp_path: Path):
     GPU runs that pinned the text cover the compact form too."""
     import dataclasses
 
-    from custom_kernels.dialect import compact_text
+    from custom_kernels.dialect import compact_text, prune_helpers
 
     groups = _cuda_spec_groups(tmp_path)
     procs = []
     for i, specs in enumerate(groups):
         compact = [dataclasses.replace(s, cuda_header=compact_text(s.cuda_header), cuda_source=compact_text(s.cuda_source))
                    for s in specs]  # fmt: skip
-        assert sum(map(len, cuda_text(compact))) < sum(map(len, cuda_text(specs)))
-        for form, group in (("full", specs), ("compact", compact)):
+        assert len(cuda_text(compact)) < len(cuda_text(specs))
+        # pruned: each kernel's helpers as get_kernel hands them (one TU per kernel, sharing nothing)
+        pruned = [dataclasses.replace(s, cuda_header=prune_helpers(s.cuda_header, s.cuda_source)) for s in compact]
+        assert all(len(p.cuda_header) < len(s.cuda_header) for p, s in zip(pruned, compact))
+        forms = [("full", specs), ("compact", compact)]
+        forms += [(f"pruned{k}", [spec]) for k, spec in enumerate(pruned)]
+        forms += [(f"single{k}", [spec]) for k, spec in enumerate(specs)]
+        for form, group in forms:
             src = tmp_path / f"kernels_{i}_{form}.cu"
             src.write_text(cuda_text(group))
             cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-ptx", "-o", str(src.with_suffix(".ptx")), f"-I{tmp_path}", str(src)]
@@ -291,8 +297,12 @@ def test_compact_cuda_text_compiles_to_the_same_ptx(tmp_path: Path):
         assert proc.returncode == 0, f"{src.name}:\n{out[-3000:]}"
     # nvcc names internal-linkage globals (cuda::std's customization-point objects) after the file
     internal = re.compile(r"_ZN\d+_INTERNAL_[0-9a-f]{8}_\d+_\w+?_cu_[0-9a-f]{8}")
-    for i in range(len(groups)):
-        full, compact = (internal.sub("_INTERNAL_", (tmp_path / f"kernels_{i}_{form}.ptx").read_text())
-                         for form in ("full", "compact"))  # fmt: skip
-        assert ".entry" in full and compact == full, f"kernels_{i}: the compact text compiles differently"
+    def ptx(i: int, form: str) -> str:
+        return internal.sub("_INTERNAL_", (tmp_path / f"kernels_{i}_{form}.ptx").read_text())
+
+    for i, specs in enumerate(groups):
+        full = ptx(i, "full")
+        assert ".entry" in full and ptx(i, "compact") == full, f"kernels_{i}: the compact text compiles differently"
+        for k, spec in enumerate(specs):
+            assert ptx(i, f"pruned{k}") == ptx(i, f"single{k}"), f"{spec.name}: its pruned text compiles differently"
 

@@ -492,6 +492,12 @@ def test_cuda_kernels_get_their_text_compacted(monkeypatch):
     assert seen[0] == (custom_kernels.mlx_kernel_name("g4_k", *compact), *compact)
     assert seen[1] == (custom_kernels.mlx_kernel_name("g4_k", header, source), header, source)
     assert len(seen) == 2  # "compact" is the default form: the cached kernel object serves it
+    monkeypatch.setenv(custom_kernels.KERNEL_TEXT_ENV, "pruned")
+    try:
+        custom_kernels.get_kernel("g4_k", ("a",), ("b",), ("", "metal"), (header + "inline float three() { return 3.0f; }\n", source))
+    finally:
+        custom_kernels.clear_kernel_cache()
+    assert seen.pop() == (custom_kernels.mlx_kernel_name("g4_k", *compact), *compact)  # three() dropped
     monkeypatch.setattr(custom_kernels, "backend", lambda: "metal")
     monkeypatch.setattr(mx.fast, "metal_kernel", stand_in, raising=False)
     monkeypatch.delenv(custom_kernels.KERNEL_TEXT_ENV)
@@ -627,6 +633,25 @@ def test_dialect_render():
         dialect.render(body, "vulkan")
     both = dialect.emit(body, "inline float twice(float v) { return 2 * v; }")
     assert set(both) == {"metal", "cuda"} and all("g4_simd_sum" in h for h, _ in both.values())
+
+
+def test_prune_helpers_keeps_what_the_kernel_reaches():
+    header = (
+        "#define G4_TWO 2.0f\n"
+        "__device__ inline float g4_used(float v) { return g4_inner(v) * G4_TWO; }\n"
+        "__device__ inline float g4_inner(float v) { return v + 1.0f; }\n"
+        "__device__ inline float g4_inner(int v) { return (float)v; }\n"
+        "template <typename U> __device__ inline float g4_unused(float v) { if (v > 0) { return v; } return -v; }\n"
+        "struct g4_pair { float a; __device__ float operator[](int i) const { return i ? a : 0.0f; } };\n"
+        "__device__ inline float g4_by_struct(g4_pair p) { return p[0]; }\n"
+        "__constant__ float g4_table[2] = {1.0f, 2.0f};\n"
+        "__device__ inline const char* g4_name() { return \"}{;\"; }\n"
+    )
+    pruned = dialect.prune_helpers(header, "out[0] = g4_used(x[0]) + g4_table[1];")
+    assert pruned == "".join(line + "\n" for i, line in enumerate(header.splitlines()) if i in (0, 1, 2, 3, 5, 7))
+    other = dialect.prune_helpers(header, "out[0] = g4_by_struct(p) + g4_name()[0];")
+    assert "g4_by_struct(" in other and 'return "}{;"' in other and "struct g4_pair" in other
+    assert "g4_used" not in other and "g4_inner" not in other and "g4_unused" not in other
 
 
 def test_bf16_bit_helpers():
