@@ -248,21 +248,31 @@ def _cuda_spec_groups(tmp_path: Path) -> list[list[KernelSpec]]:
     return list(by_header.values())
 
 
+def _nvcc_all(sources: list[Path], tmp_path: Path, output: str) -> list[str]:
+    """Compile each source with nvcc for sm_90 to `output` ("cubin" or "ptx") next to it, a few
+    at a time (dozens of concurrent nvcc processes would swamp a small CI machine); the failures."""
+    import concurrent.futures
+    import os
+
+    def one(src: Path) -> str | None:
+        cmd = ["nvcc", "-std=c++17", "-arch=sm_90", f"-{output}", "-o", str(src.with_suffix("." + output)),
+               f"-I{tmp_path}", str(src)]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        return None if res.returncode == 0 else f"{src.name}:\n{(res.stdout + res.stderr)[-3000:]}"
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
+        return [f for f in pool.map(one, sources) if f]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_text_compiles(tmp_path: Path):
-    procs = []
+    sources = []
     for i, specs in enumerate(_cuda_spec_groups(tmp_path)):
         src = tmp_path / f"kernels_{i}.cu"
         src.write_text(cuda_text(specs))
-        # -cubin: NVCC front end, NVVM and ptxas for sm_90 (no host compilation needed)
-        cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-o", str(src.with_suffix(".cubin")),
-               f"-I{tmp_path}", str(src)]  # fmt: skip
-        procs.append((src, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-    failures = []
-    for src, proc in procs:
-        out, _ = proc.communicate()
-        if proc.returncode != 0:
-            failures.append(f"{src.name}:\n{out[-3000:]}")
+        sources.append(src)
+    # -cubin: NVCC front end, NVVM and ptxas for sm_90 (no host compilation needed)
+    failures = _nvcc_all(sources, tmp_path, "cubin")
     assert not failures, "\n\n".join(failures)
 
 
@@ -276,7 +286,7 @@ def test_compact_cuda_text_compiles_to_the_same_ptx(tmp_path: Path):
     from custom_kernels.dialect import compact_text, prune_helpers
 
     groups = _cuda_spec_groups(tmp_path)
-    procs, pruned_groups = [], []
+    sources, pruned_groups = [], []
     for i, specs in enumerate(groups):
         compact = [dataclasses.replace(s, cuda_header=compact_text(s.cuda_header), cuda_source=compact_text(s.cuda_source))
                    for s in specs]  # fmt: skip
@@ -295,11 +305,9 @@ def test_compact_cuda_text_compiles_to_the_same_ptx(tmp_path: Path):
         for form, group in forms:
             src = tmp_path / f"kernels_{i}_{form}.cu"
             src.write_text(cuda_text(group))
-            cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-ptx", "-o", str(src.with_suffix(".ptx")), f"-I{tmp_path}", str(src)]
-            procs.append((src, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-    for src, proc in procs:
-        out, _ = proc.communicate()
-        assert proc.returncode == 0, f"{src.name}:\n{out[-3000:]}"
+            sources.append(src)
+    failures = _nvcc_all(sources, tmp_path, "ptx")
+    assert not failures, "\n\n".join(failures)
     # nvcc names internal-linkage globals (cuda::std's customization-point objects) after the file
     internal = re.compile(r"_ZN\d+_INTERNAL_[0-9a-f]{8}_\d+_\w+?_cu_[0-9a-f]{8}")
     def ptx(i: int, form: str) -> str:
