@@ -96,8 +96,10 @@ CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "qu
                        "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN: frozenset[str] = frozenset()
-"""Families written but not on by default on any backend (UNPROVEN_ENV turns them on): none now."""
+OPT_IN = frozenset({"router_fused"})
+"""Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
+"router_fused" (a MoE router's projection and route in one launch, custom_kernels.router.route_logits,
+CUDA only; its text has not run on a GPU yet)."""
 
 FAMILIES = PROVEN | OPT_IN
 """Every op family the model can use."""

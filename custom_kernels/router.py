@@ -33,11 +33,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import KernelSource, dtype_name, template_args, use_reference
+from . import KernelSource, backend, dtype_name, template_args, use_reference
 from .attention import _text as attention_text
+from .dialect import render
 
 __all__ = ["MAX_EXPERTS", "MAX_TOP_K", "kernel_specs", "route", "route_f64", "route_reference", "router_logits",
-           "router_logits_reference"]
+           "router_logits_reference", "route_logits", "route_logits_supported", "new_router_counters"]
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
@@ -127,6 +128,109 @@ _LOGITS_BODY = r"""
 _LOGITS = KernelSource("g4_router_logits", ("x", "w"), ("out",), attention_text(_LOGITS_BODY))
 _LOGITS_NSG = 4
 _LOGITS_MAX_ROWS = 8  # tokens; more (prefill) take MLX's matmul
+
+
+# The projection and the route in one launch (kernel g4_route_logits, CUDA only): every threadgroup
+# writes its experts' logits as g4_router_logits does, then takes a ticket from its row's counter;
+# the row's last threadgroup routes the row as g4_moe_route does (reading the logits from L2 after
+# a device-scope fence) and sets the counter back to zero for the next call. Metal has no
+# device-scope fence its atomics order against, so it keeps the two launches.
+# Template: T (x, w, logits), TS (scale), H, E, K, EPL = ceil(E / 32), NSG.
+_FUSED_LOGITS = r"""
+  // gemma4-mlx route_logits: logits as router_logits, then the row's last block routes them
+  __shared__ int g4_last;
+  const int lane = $lane;
+  const int e = $tg_x * NSG + $simd;
+  const int m = $tg_y;
+  if (e < E) {
+    const T* xr = x + (size_t)m * H;
+    const T* wr = w + (size_t)e * H;
+    float acc = 0.0f;
+    $unroll for (int c = 4 * lane; c < H; c += 128) {
+      float a[4];
+      float b[4];
+      g4_load4(xr + c, a);
+      g4_load4(wr + c, b);
+      acc += a[0] * b[0] + a[1] * b[1] + a[2] * b[2] + a[3] * b[3];
+    }
+    acc = g4_simd_sum(acc);
+    if (lane == 0) {
+      logits[(size_t)m * E + e] = static_cast<T>(acc);
+      __threadfence();
+    }
+  }
+  $barrier;
+  unsigned int* done = const_cast<unsigned int*>(counters) + m;
+  if ($tid == 0) g4_last = atomicAdd(done, 1u) == gridDim.x - 1u ? 1 : 0;
+  $barrier;
+  if (g4_last == 0 || $simd != 0) return;
+  __threadfence();
+"""
+
+
+def _fused_route_body() -> str:
+    body = _ROUTE_BODY.replace("moe_route:", "route_logits (route):", 1)
+    for old, new in (("  const int lane = $lane;\n", ""),
+                     ("  const int row = $tg_x;  // one SIMD group of 32 lanes per row\n", "  const int row = m;\n"),
+                     ("  const $device T* x = logits + (size_t)row * E;\n", "  const T* lr = logits + (size_t)row * E;\n"),
+                     ("static_cast<float>(x[e])", "static_cast<float>(__ldcg(lr + e))")):  # fmt: skip
+        assert body.count(old) == 1, old
+        body = body.replace(old, new)
+    return body + "  if (lane == 0) *done = 0u;\n"
+
+
+_FUSED = KernelSource("g4_route_logits", ("x", "w", "scale", "counters"), ("logits", "weights", "indices"),
+                      {"metal": ("", ""), "cuda": (attention_text("")["cuda"][0],
+                                                   render(_FUSED_LOGITS + _fused_route_body(), "cuda"))})
+ROUTER_COUNTER_WORDS = 8
+"""uint32 words of a layer's route_logits counters: one per token row (at most 8 rows)."""
+
+
+def new_router_counters() -> mx.array:
+    """The zeroed uint32 counters one sequence of route_logits calls shares (one per MoE layer),
+    from host memory (see moe_experts.new_counters: a lazy zeros op would be one buffer for all)."""
+    return mx.array(np.zeros(ROUTER_COUNTER_WORDS, np.uint32))
+
+
+def route_logits_supported(x: mx.array, w: mx.array, top_k: int) -> bool:
+    """True when route_logits runs its one launch: a CUDA build, x and w of one float dtype, H a
+    multiple of 4, 1..8 token rows, E <= MAX_EXPERTS and 1 <= top_k <= min(E, MAX_TOP_K)."""
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    e = w.shape[0]
+    return (backend() == "cuda" and not use_reference() and w.ndim == 2 and x.shape[-1] == w.shape[1]
+            and x.dtype == w.dtype and x.dtype in (mx.float32, mx.bfloat16) and x.shape[-1] % 4 == 0
+            and 1 <= rows <= ROUTER_COUNTER_WORDS and e <= MAX_EXPERTS and 1 <= top_k <= min(e, MAX_TOP_K))  # fmt: skip
+
+
+def route_logits(x: mx.array, w: mx.array, per_expert_scale: mx.array, top_k: int,
+                 counters: mx.array) -> tuple[mx.array, mx.array]:
+    """``route(router_logits(x, w), per_expert_scale, top_k)``: one launch of g4_route_logits where
+    ``route_logits_supported``, the two ops otherwise -> (weights f32 [..., k], indices int32
+    [..., k]). counters: ``new_router_counters()``, one per sequence of calls that run one after
+    another (a MoE layer's)."""
+    if not route_logits_supported(x, w, top_k):
+        return route(router_logits(x, w), per_expert_scale, top_k)
+    if counters.dtype != mx.uint32 or counters.shape != (ROUTER_COUNTER_WORDS,):
+        raise ValueError(f"counters must be uint32 [{ROUTER_COUNTER_WORDS}] (new_router_counters()), got "
+                         f"{counters.dtype} {counters.shape}")  # fmt: skip
+    e, _ = _check(mx.zeros((1, w.shape[0])), per_expert_scale, top_k)
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    out = (*x.shape[:-1], top_k)
+    _, weights, indices = _FUSED.kernel()(
+        inputs=[x, w, per_expert_scale, counters],
+        template=template_args(_fused_template(dtype_name(x.dtype), dtype_name(per_expert_scale.dtype),
+                                               x.shape[-1], e, top_k)),  # fmt: skip
+        grid=(32 * _LOGITS_NSG * -(-e // _LOGITS_NSG), rows, 1),
+        threadgroup=(32 * _LOGITS_NSG, 1, 1),
+        output_shapes=[(*x.shape[:-1], e), out, out],
+        output_dtypes=[x.dtype, mx.float32, mx.int32],
+    )
+    return weights, indices
+
+
+def _fused_template(dtype: str, scale_dtype: str, h: int, e: int, k: int) -> list:
+    return [("T", dtype), ("TS", scale_dtype), ("H", h), ("E", e), ("K", k), ("EPL", -(-e // 32)),
+            ("NSG", _LOGITS_NSG)]  # fmt: skip
 
 
 def _check(logits: mx.array, per_expert_scale: mx.array, top_k: int) -> tuple[int, int]:
@@ -281,9 +385,57 @@ def _logits_cases(rng: np.random.Generator):
             _logits_case(rng, 2, 6, 516, "bfloat16")]  # fmt: skip
 
 
+def _fused_case(rng: np.random.Generator, rows: int, e: int, h: int, k: int):
+    """route_logits (f32) against float64: the logits and, from them, the weights and indices."""
+    from .registry import KernelCase
+
+    x = rng.standard_normal((rows, h)).astype(np.float32)
+    w = (rng.standard_normal((e, h)) * 0.1).astype(np.float32)
+    scale = rng.uniform(0.5, 2.0, e).astype(np.float32)
+    logits = x.astype(np.float64) @ w.astype(np.float64).T
+    wts, idx = route_f64(logits, scale, k)
+    return KernelCase(
+        inputs={"x": x, "w": w, "scale": scale, "counters": np.zeros(ROUTER_COUNTER_WORDS, np.uint32)},
+        template=_fused_template("float32", "float32", h, e, k), grid=(32 * _LOGITS_NSG * -(-e // _LOGITS_NSG), rows, 1),
+        threadgroup=(32 * _LOGITS_NSG, 1, 1), output_shapes=[(rows, e), (rows, k), (rows, k)],
+        output_dtypes=["float32", "float32", "int32"], expected=[logits, wts, idx.astype(np.float64)],
+        rtol=1e-5, atol=1e-5, label=f"rows={rows} E={e} H={h} k={k} float32",
+    )  # fmt: skip
+
+
+def _fused_case_bf16(rng: np.random.Generator, rows: int, e: int, h: int, k: int):
+    """route_logits in bf16: each expert's row is x's direction times a distinct target logit
+    (spaced ~10 bf16 steps apart), so the bf16 rounding cannot reorder the experts; checked within
+    2% (the weights move with the logits' rounding; the indices, below 50, must be exact)."""
+    from .registry import KernelCase, bf16_to_f32, f32_to_bf16
+
+    x = rng.standard_normal((rows, h)).astype(np.float32)
+    target = rng.permutation(np.linspace(-2.0, 2.0, e))
+    w = target[:, None] * x[0][None, :] / float(x[0] @ x[0])
+    x[1:] = x[0]  # every row has the same direction (and so the same ranking)
+    xb, wb = f32_to_bf16(x), f32_to_bf16(w.astype(np.float32))
+    logits = bf16_to_f32(xb).astype(np.float64) @ bf16_to_f32(wb).astype(np.float64).T
+    scale = rng.uniform(0.5, 2.0, e).astype(np.float32)
+    wts, idx = route_f64(logits, scale, k)
+    return KernelCase(
+        inputs={"x": xb, "w": wb, "scale": scale, "counters": np.zeros(ROUTER_COUNTER_WORDS, np.uint32)},
+        template=_fused_template("bfloat16", "float32", h, e, k), grid=(32 * _LOGITS_NSG * -(-e // _LOGITS_NSG), rows, 1),
+        threadgroup=(32 * _LOGITS_NSG, 1, 1), output_shapes=[(rows, e), (rows, k), (rows, k)],
+        output_dtypes=["bfloat16", "float32", "int32"], expected=[logits, wts, idx.astype(np.float64)],
+        rtol=2e-2, atol=1e-2, input_dtypes={"x": "bfloat16", "w": "bfloat16"},
+        label=f"rows={rows} E={e} H={h} k={k} bfloat16",
+    )  # fmt: skip
+
+
+def _fused_cases(rng: np.random.Generator):
+    return [_fused_case(rng, 1, 128, 260, 8), _fused_case(rng, 3, 45, 128, 5), _fused_case(rng, 2, 300, 516, 32),
+            _fused_case_bf16(rng, 2, 45, 128, 5)]  # fmt: skip
+
+
 def kernel_specs():
-    """KernelSpecs of the routing kernel (odd E, ties, k = E, k = 32) and the router projection."""
+    """KernelSpecs of the routing kernel (odd E, ties, k = E, k = 32), the router projection and
+    the two in one launch (CUDA only)."""
     from .registry import KernelSpec
 
     return [KernelSpec(k.name, k.input_names, k.output_names, *k.text["metal"], *k.text["cuda"], cases)
-            for k, cases in ((_ROUTE, _cases), (_LOGITS, _logits_cases))]
+            for k, cases in ((_ROUTE, _cases), (_LOGITS, _logits_cases), (_FUSED, _fused_cases))]

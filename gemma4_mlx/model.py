@@ -18,7 +18,7 @@ from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention
 from custom_kernels.norm import residual_norm, residual_norm_moe, residual_norm_moe_out, residual_norm_reference
 from custom_kernels.quant_matvec import gelu_tanh
 from custom_kernels.rope import inverse_frequencies, norm_rope
-from custom_kernels.router import route, router_logits
+from custom_kernels.router import new_router_counters, route, route_logits, router_logits
 
 from . import cpu_matvec
 from .cache import StaticKVCache, StaticRotatingKVCache
@@ -218,6 +218,7 @@ class Router(nn.Module):
         self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.scale = mx.ones((cfg.hidden_size,))
         self.per_expert_scale = mx.ones((cfg.num_experts,))
+        self._counters = new_router_counters()  # route_logits' tickets (not a parameter)
 
     def __call__(self, h):
         return self.select(self.normed(h))
@@ -229,7 +230,10 @@ class Router(nn.Module):
     def select(self, r):
         """(weights [..., k] fp32, indices [..., k]) from the normed input r."""
         proj = self.proj
-        if use_kernel("router_proj") and type(proj) is nn.Linear and "bias" not in proj:
+        plain = type(proj) is nn.Linear and "bias" not in proj
+        if plain and use_kernel("router_fused") and use_kernel("router"):  # projection and route, one launch
+            return route_logits(r, proj.weight, self.per_expert_scale, self.top_k, self._counters)
+        if use_kernel("router_proj") and plain:
             logits = router_logits(r, proj.weight)  # one launch, no view nodes (custom_kernels.router)
         else:
             logits = proj(r)

@@ -104,6 +104,21 @@ def test_norm_moe_out_ends_a_moe_layer_in_one_kernel(graph_count, monkeypatch):
     assert sum(base.values()) - sum(fused.values()) == 2 * layers
 
 
+def test_router_fused_takes_one_kernel(graph_count, monkeypatch):
+    """With opt-in family "router_fused" a MoE layer's router projection and route are one kernel."""
+    import decode
+
+    import custom_kernels
+
+    cfg = decode._tiny(**_KERNEL_SHAPES, **_EXPERTS)
+    base = graph_count.step_counts(cfg, 40)["body"]
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "router_fused")
+    fused = graph_count.step_counts(cfg, 40)["body"]
+    layers = cfg.num_hidden_layers
+    assert base["CustomKernel"] - fused["CustomKernel"] == layers
+    assert sum(base.values()) - sum(fused.values()) == layers
+
+
 def test_moe_experts_take_one_launch(graph_count, monkeypatch):
     """As on the H200 (sm_90): a MoE layer's Q4_0 experts are one kernel (moe_one_launch, a CUDA
     default), two with the family off (gate|up, then down with the weighted sum)."""

@@ -147,3 +147,68 @@ def test_router_logits_dispatch_and_router_wiring(monkeypatch):
         want_e = dict(zip(np.array(i_mlx[0, t]).tolist(), np.array(w_mlx[0, t]).tolist()))
         assert got_e.keys() == want_e.keys()
         assert all(abs(got_e[e] - want_e[e]) <= 1e-5 * abs(want_e[e]) for e in want_e)
+
+
+def test_route_logits_falls_back_and_checks_counters(monkeypatch):
+    """route_logits: off CUDA (here) the two ops; on CUDA one launch with the template, grid and
+    outputs the kernel expects (a stand-in MLX kernel records them); wrong counters refused."""
+    import custom_kernels
+
+    rng = np.random.default_rng(8)
+    x = mx.array(rng.standard_normal((1, 2, 64)).astype(np.float32))
+    w = mx.array((rng.standard_normal((9, 64)) * 0.2).astype(np.float32))
+    scale = mx.array(rng.uniform(0.5, 2.0, 9).astype(np.float32))
+    counters = rt.new_router_counters()
+    got = rt.route_logits(x, w, scale, 3, counters)
+    want = rt.route(rt.router_logits(x, w), scale, 3)
+    assert all(mx.array_equal(a, b) for a, b in zip(got, want)) and not rt.route_logits_supported(x, w, 3)
+    seen = []
+
+    def stand_in(**kw):
+        def launch(**call):
+            seen.append(call)
+            return [mx.zeros(s, d) for s, d in zip(call["output_shapes"], call["output_dtypes"])]
+
+        return launch
+
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(rt, "backend", lambda: "cuda")
+    monkeypatch.setattr(mx.fast, "cuda_kernel", stand_in)
+    custom_kernels.clear_kernel_cache()
+    try:
+        assert rt.route_logits_supported(x, w, 3) and not rt.route_logits_supported(mx.zeros((9, 64)), w, 3)
+        wts, idx = rt.route_logits(x, w, scale, 3, counters)
+        with pytest.raises(ValueError, match="counters must be uint32"):
+            rt.route_logits(x, w, scale, 3, mx.zeros((8,), mx.int32))
+    finally:
+        custom_kernels.clear_kernel_cache()
+    (call,) = seen
+    assert wts.shape == idx.shape == (1, 2, 3) and wts.dtype == mx.float32 and idx.dtype == mx.int32
+    assert call["inputs"][3] is counters and call["output_shapes"][0] == (1, 2, 9)
+    assert dict(call["template"])["EPL"] == 1 and dict(call["template"])["K"] == 3 and dict(call["template"])["H"] == 64
+    assert call["grid"] == (32 * 4 * 3, 2, 1) and call["threadgroup"] == (128, 1, 1)
+
+
+def test_router_with_router_fused_wiring(monkeypatch):
+    """Family "router_fused" routes a Router through route_logits (here its two-op fallback), to
+    the experts of the default path."""
+    from gemma4_mlx import model as model_module
+    from gemma4_mlx.model import Router
+
+    class Cfg:
+        top_k_experts, rms_norm_eps, hidden_size, num_experts = 3, 1e-6, 64, 9
+
+    router = Router(Cfg())
+    router.proj.weight = mx.random.normal((9, 64)) * 0.2
+    assert "_counters" not in router.parameters()
+    h = mx.random.normal((1, 4, 64))
+    want = router(h)
+    calls = []
+    monkeypatch.setattr(model_module, "route_logits", lambda *a: calls.append(a[4]) or rt.route_logits(*a))
+    monkeypatch.setattr(model_module, "use_kernel", lambda family: family in ("router_fused", "router"))
+    got = router(h)
+    assert len(calls) == 1 and calls[0] is router._counters
+    for t in range(4):  # the MLX path's top-k comes unordered
+        a = dict(zip(np.array(got[1][0, t]).tolist(), np.array(got[0][0, t]).tolist()))
+        b = dict(zip(np.array(want[1][0, t]).tolist(), np.array(want[0][0, t]).tolist()))
+        assert a.keys() == b.keys() and all(abs(a[e] - b[e]) <= 1e-5 * abs(b[e]) for e in b)

@@ -91,3 +91,24 @@ def test_router_module_with_router_proj(monkeypatch):
         want = dict(zip(np.array(i_mlx[0, t]).tolist(), np.array(w_mlx[0, t]).tolist()))
         same += got.keys() == want.keys()
     assert same >= 4  # bf16 logits rounded after another summation order may swap a near-tie at the k-th expert
+
+
+@pytest.mark.parametrize("e,h,k", [(128, 2816, 8), (45, 260, 5)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_route_logits_kernel_equals_the_two_launches(e, h, k, dtype):
+    """g4_route_logits (family "router_fused"): bit for bit the weights and indices of
+    router_logits then route, for 1 / 3 / 8 tokens, three calls in a row on one counters array
+    (the last block of each call sets them back to zero)."""
+    rng = np.random.default_rng(e + h)
+    w = mx.array((rng.standard_normal((e, h)) * 0.05).astype(np.float32)).astype(dtype)
+    scale = mx.array(rng.uniform(0.5, 2.0, e).astype(np.float32))
+    counters = rt.new_router_counters()
+    for lead in ((1, 1), (1, 3), (2, 4), (1, 1)):
+        x = mx.array(rng.standard_normal((*lead, h)).astype(np.float32)).astype(dtype)
+        assert rt.route_logits_supported(x, w, k)
+        got = rt.route_logits(x, w, scale, k, counters)
+        want = rt.route(rt.router_logits(x, w), scale, k)
+        mx.eval(got, want)
+        assert np.array_equal(np.array(got[1]), np.array(want[1])), f"E={e} lead={lead}"
+        assert np.array_equal(np.array(got[0]), np.array(want[0])), f"E={e} lead={lead}"
+    assert not np.array(counters).any()
