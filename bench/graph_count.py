@@ -39,7 +39,7 @@ from hardware import commit, hardware_info, sources_digest  # noqa: E402
 from step_settings import model_config  # noqa: E402
 
 import custom_kernels  # noqa: E402
-from custom_kernels import attention, moe_experts, norm, quant_matvec, sampling  # noqa: E402
+from custom_kernels import attention, moe_experts, norm, quant_matvec, router, sampling  # noqa: E402
 
 _ZEROS: dict = {}
 _FAST_CALLS: collections.Counter = collections.Counter()  # stand-in mx.fast ops, by GPU primitive name
@@ -80,9 +80,13 @@ PRETEND_ARCH = 90
 """The compute capability pretend_cuda reports: the H200's (Hopper), where the step was measured."""
 
 
+PRETEND_MODULES = (custom_kernels, quant_matvec, attention, sampling, norm, moe_experts, router)
+"""The modules whose backend() pretend_cuda answers "cuda" (each imported it by name)."""
+
+
 def pretend_cuda() -> None:
     """Route the model through the CUDA kernel paths of an sm_90 GPU without one (for counting only)."""
-    for module in (custom_kernels, quant_matvec, attention, sampling, norm, moe_experts):
+    for module in PRETEND_MODULES:
         if hasattr(module, "backend"):
             module.backend = lambda: "cuda"
     custom_kernels._device_arch = lambda: PRETEND_ARCH
