@@ -213,8 +213,9 @@ def route_logits(x: mx.array, w: mx.array, per_expert_scale: mx.array, top_k: in
     if counters.dtype != mx.uint32 or counters.shape != (ROUTER_COUNTER_WORDS,):
         raise ValueError(f"counters must be uint32 [{ROUTER_COUNTER_WORDS}] (new_router_counters()), got "
                          f"{counters.dtype} {counters.shape}")  # fmt: skip
-    e, _ = _check(mx.zeros((1, w.shape[0])), per_expert_scale, top_k)
-    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    e, rows = w.shape[0], int(np.prod(x.shape[:-1], dtype=np.int64))
+    if per_expert_scale.shape != (e,):
+        raise ValueError(f"per_expert_scale [E] expected for {e} experts, got {per_expert_scale.shape}")
     out = (*x.shape[:-1], top_k)
     _, weights, indices = _FUSED.kernel()(
         inputs=[x, w, per_expert_scale, counters],
