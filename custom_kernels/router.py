@@ -136,41 +136,34 @@ _LOGITS_MAX_ROWS = 8  # tokens; more (prefill) take MLX's matmul
 # a device-scope fence) and sets the counter back to zero for the next call. Metal has no
 # device-scope fence its atomics order against, so it keeps the two launches.
 # Template: T (x, w, logits), TS (scale), H, E, K, EPL = ceil(E / 32), NSG.
-_FUSED_LOGITS = r"""
-  // gemma4-mlx route_logits: logits as router_logits, then the row's last block routes them
-  __shared__ int g4_last;
-  const int lane = $lane;
-  const int e = $tg_x * NSG + $simd;
-  const int m = $tg_y;
-  if (e < E) {
-    const T* xr = x + (size_t)m * H;
-    const T* wr = w + (size_t)e * H;
-    float acc = 0.0f;
-    $unroll for (int c = 4 * lane; c < H; c += 128) {
-      float a[4];
-      float b[4];
-      g4_load4(xr + c, a);
-      g4_load4(wr + c, b);
-      acc += a[0] * b[0] + a[1] * b[1] + a[2] * b[2] + a[3] * b[3];
-    }
-    acc = g4_simd_sum(acc);
-    if (lane == 0) {
-      logits[(size_t)m * E + e] = static_cast<T>(acc);
-      __threadfence();
-    }
-  }
+_FUSED_TICKET = r"""
   $barrier;
   unsigned int* done = const_cast<unsigned int*>(counters) + m;
   if ($tid == 0) g4_last = atomicAdd(done, 1u) == gridDim.x - 1u ? 1 : 0;
   $barrier;
   if (g4_last == 0 || $simd != 0) return;
   __threadfence();
+  const int lane = $lane;
 """
+
+
+def _fused_logits_body() -> str:
+    """_LOGITS_BODY's text with E a template value, every SIMD group reaching the ticket's
+    barrier, and each logit fenced after its store, then the ticket."""
+    body = _LOGITS_BODY.replace("router_logits: out[m, e]", "route_logits: logits[m, e]", 1)
+    for old, new in (("  const int E = w_shape[0];\n", "  __shared__ int g4_last;\n"),
+                     ("  if (e >= E) return;  // a whole SIMD group: e is the same for its lanes\n  const int m = $tg_y;\n",
+                      "  const int m = $tg_y;\n  if (e < E) {\n"),
+                     ("  if ($lane == 0) out[(size_t)m * E + e] = static_cast<T>(acc);\n",
+                      "  if ($lane == 0) {\n    logits[(size_t)m * E + e] = static_cast<T>(acc);\n    __threadfence();\n  }\n  }\n")):  # fmt: skip
+        assert body.count(old) == 1, old
+        body = body.replace(old, new)
+    return body + _FUSED_TICKET
 
 
 def _fused_route_body() -> str:
     body = _ROUTE_BODY.replace("moe_route:", "route_logits (route):", 1)
-    for old, new in (("  const int lane = $lane;\n", ""),
+    for old, new in (("  const int lane = $lane;\n", ""),  # the ticket's tail declares it
                      ("  const int row = $tg_x;  // one SIMD group of 32 lanes per row\n", "  const int row = m;\n"),
                      ("  const $device T* x = logits + (size_t)row * E;\n", "  const T* lr = logits + (size_t)row * E;\n"),
                      ("static_cast<float>(x[e])", "static_cast<float>(__ldcg(lr + e))")):  # fmt: skip
@@ -181,7 +174,7 @@ def _fused_route_body() -> str:
 
 _FUSED = KernelSource("g4_route_logits", ("x", "w", "scale", "counters"), ("logits", "weights", "indices"),
                       {"metal": ("", ""), "cuda": (attention_text("")["cuda"][0],
-                                                   render(_FUSED_LOGITS + _fused_route_body(), "cuda"))})
+                                                   render(_fused_logits_body() + _fused_route_body(), "cuda"))})
 ROUTER_COUNTER_WORDS = 8
 """uint32 words of a layer's route_logits counters: one per token row (at most 8 rows)."""
 
