@@ -20,6 +20,7 @@ import gemma4_mlx  # noqa: F401,I001  first: the BLAS preload must come before m
 
 import argparse
 import collections
+import contextlib
 import datetime
 import json
 import os
@@ -211,18 +212,34 @@ def print_summary(label: str, s: dict) -> None:
         print(f"   {row['us']:9.1f} us  {row['launches']:6.1f} x  {row['name'][:110]}")
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, str]]:
-    """'NAME=VAR=VALUE VAR2=VALUE2' -> (NAME, {VAR: VALUE, VAR2: VALUE2})."""
-    name, _, rest = text.partition("=")
+def parse_variant(text: str, allow_empty: bool = False) -> tuple[str, dict[str, str]]:
+    """'NAME=VAR=VALUE VAR2=VALUE2' -> (NAME, {VAR: VALUE, VAR2: VALUE2}); 'NAME=' -> (NAME, {})
+    only with allow_empty (a baseline setting). SystemExit on anything else."""
+    name, sep, rest = text.partition("=")
     env = {}
     for item in rest.split():
         var, eq, value = item.partition("=")
         if not eq or not var:
-            raise SystemExit(f"--variant {text!r}: expected NAME=VAR=VALUE [VAR=VALUE ...]")
+            raise SystemExit(f"{text!r}: expected NAME=VAR=VALUE [VAR=VALUE ...]")
         env[var] = value
-    if not name or not env:
-        raise SystemExit(f"--variant {text!r}: expected NAME=VAR=VALUE [VAR=VALUE ...]")
+    if not name or not sep or not (env or allow_empty):
+        raise SystemExit(f"{text!r}: expected NAME=VAR=VALUE [VAR=VALUE ...]")
     return name, env
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """The process environment with `env` set for a with-block, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,35 +268,34 @@ def main(argv: list[str] | None = None) -> int:
     first = mx.array([5], mx.int32)
     for e, name, env in runs:
         label = f"{e.name}:{name}" if name else e.name
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            t0 = time.time()
-            e.start(args.context, 2 * (args.warmup + args.steps) + 8)
-            step = e.full_step()
-            res = dict(env=env, plain=decode.time_tokens(step, first, args.warmup, args.steps),
-                       start_s=time.time() - t0)  # fmt: skip
-            doc["engines"][label] = res
-            print(f"{label}: {res['plain']['tok_s']:.1f} tok/s, {res['plain']['ms_per_token']:.2f} ms/token, host "
-                  f"{res['plain'].get('host_ms', 0):.2f} ms (unprofiled)", flush=True)
-            try:
-                res.update(profile_steps(step, first, args.steps, os.path.join(trace_dir, f"trace-{label.replace(':', '-')}.json")))
-                print_summary(label, res)
-            except (ImportError, ValueError, RuntimeError, AssertionError) as exc:
-                res["profile_error"] = f"{type(exc).__name__}: {exc}"[:400]
-                print(f"{label}: no profile: {res['profile_error']}", flush=True)
-        except ValueError as exc:  # a variant's geometry the kernels reject
-            doc["engines"][label] = dict(env=env, error=str(exc)[:400])
-            print(f"{label}: failed: {exc}", flush=True)
-        finally:
-            e.stop()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        with environment(env):
+            run_engine(e, label, env, args, doc, first, trace_dir)
     write_result(doc, f"gpu_timeline-{args.model}", args.out)
     return 0
+
+
+def run_engine(e, label: str, env: dict, args, doc: dict, first: mx.array, trace_dir: str) -> None:
+    """Time, then profile, one engine's decode step (its environment already set) into doc."""
+    try:
+        t0 = time.time()
+        e.start(args.context, 2 * (args.warmup + args.steps) + 8)
+        step = e.full_step()
+        res = dict(env=env, plain=decode.time_tokens(step, first, args.warmup, args.steps),
+                   start_s=time.time() - t0)  # fmt: skip
+        doc["engines"][label] = res
+        print(f"{label}: {res['plain']['tok_s']:.1f} tok/s, {res['plain']['ms_per_token']:.2f} ms/token, host "
+              f"{res['plain'].get('host_ms', 0):.2f} ms (unprofiled)", flush=True)
+        try:
+            res.update(profile_steps(step, first, args.steps, os.path.join(trace_dir, f"trace-{label.replace(':', '-')}.json")))
+            print_summary(label, res)
+        except (ImportError, ValueError, RuntimeError, AssertionError) as exc:
+            res["profile_error"] = f"{type(exc).__name__}: {exc}"[:400]
+            print(f"{label}: no profile: {res['profile_error']}", flush=True)
+    except ValueError as exc:  # a variant's geometry the kernels reject
+        doc["engines"][label] = dict(env=env, error=str(exc)[:400])
+        print(f"{label}: failed: {exc}", flush=True)
+    finally:
+        e.stop()
 
 
 if __name__ == "__main__":

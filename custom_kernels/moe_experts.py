@@ -12,9 +12,10 @@ halves, as the two-launch path rounds them.
 Why one launch: on the H200 a launch that binds a layer's expert stacks costs MLX's host 4-12 us
 (bench/NOTES.md, sessions 17-18), and the two-launch path measured 24.5-34.8 us per step back to
 back against the 11.6 us that 60% of the copy bandwidth allows for its 26.8 MB (26B-A4B). Measured
-(session 20, 26B-A4B shapes, default geometry): 28.8 us of GPU time per call against the two
-launches' 39.2, 31.3 against 42.4 back to back; Nsight Compute on an earlier text (session 19):
-DRAM 15% busy, bound by the latency of its own instructions.
+(session 21's text, 26B-A4B shapes, default geometry): 22.6 us of GPU time per call against the two
+launches' 39.2, 25.1 against 42.8 back to back (a kernel that only reads the same bytes: 11.6 / 8.5);
+Nsight Compute on an earlier text (session 19): DRAM 15% busy, bound by the latency of its own
+instructions.
 
 How (threadgroups of NW = 8 or 16 warps, taking tickets from ``counters`` in the order they start):
 

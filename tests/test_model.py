@@ -163,15 +163,16 @@ def test_batch_of_two_decodes_one_token_at_a_time(any_fixture):
         assert rel_err(np.concatenate([s_[b] for s_ in steps]), alone) <= 1e-5
 
 
-def test_moe_layer_with_the_norm_moe_path_equals_the_default(moe_fixture, monkeypatch):
-    """Family "norm_moe" restructures a MoE layer (one op for the residual add and the three norms
-    of h; the router takes its precomputed input). Here its op runs its MLX reference (CPU), so the
-    wiring is checked: the same logits, prefill and one-token steps."""
+def _moe_family_path_equals_default(moe_fixture, monkeypatch, family: str, op: str, seed: int, calls_per_layer: int,
+                                    prepare=None):
+    """The MoE fixture's logits (prefill, then two one-token steps) with only `family` on, its op
+    (model module name `op`) counted, against the default path's; the number of op calls."""
     import gemma4_mlx.model as model_module
 
-    path = moe_fixture.gguf("q8_0")
-    model, _ = load_gguf(path, dtype=mx.float32, progress=False, weight_format="blocks")
-    ids = ids_for(moe_fixture, 14, seed=23)
+    model, _ = load_gguf(moe_fixture.gguf("q8_0"), dtype=mx.float32, progress=False, weight_format="blocks")
+    if prepare:
+        prepare(model)
+    ids = ids_for(moe_fixture, 14, seed=seed)
 
     def run():
         cache = make_cache(model.cfg)
@@ -179,46 +180,36 @@ def test_moe_layer_with_the_norm_moe_path_equals_the_default(moe_fixture, monkey
 
     default = run()
     calls = []
-    real = model_module.residual_norm_moe
+    real = getattr(model_module, op)
 
     def counted(*args):
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(model_module, "residual_norm_moe", counted)
-    monkeypatch.setattr(model_module, "use_kernel", lambda family: family == "norm_moe")
+    monkeypatch.setattr(model_module, op, counted)
+    monkeypatch.setattr(model_module, "use_kernel", lambda name: name == family)
     assert rel_err(run(), default) <= 1e-6
-    assert len(calls) == 3 * sum(layer.spec.moe for layer in model.layers)
+    moe_layers = sum(layer.spec.moe for layer in model.layers)
+    assert len(calls) == 3 * calls_per_layer * moe_layers > 0
+
+
+def test_moe_layer_with_the_norm_moe_path_equals_the_default(moe_fixture, monkeypatch):
+    """Family "norm_moe" restructures a MoE layer (one op for the residual add and the three norms
+    of h; the router takes its precomputed input). Here its op runs its MLX reference (CPU), so the
+    wiring is checked: the same logits, prefill and one-token steps."""
+    _moe_family_path_equals_default(moe_fixture, monkeypatch, "norm_moe", "residual_norm_moe", 23, 1)
 
 
 def test_moe_layer_with_the_norm_moe_out_path_equals_the_default(moe_fixture, monkeypatch):
     """Family "norm_moe_out" ends a MoE layer with one op (both branch norms, their sum and the
     residual norm step with the layer scalar and the next layer's input norm). Its op runs its MLX
     reference here (CPU), so the wiring is checked: the same logits, prefill and one-token steps."""
-    import gemma4_mlx.model as model_module
 
-    path = moe_fixture.gguf("q8_0")
-    model, _ = load_gguf(path, dtype=mx.float32, progress=False, weight_format="blocks")
-    ids = ids_for(moe_fixture, 14, seed=29)
-    for layer in model.layers:  # layer scalars other than 1, so a dropped or misplaced one shows
-        layer.layer_scalar = mx.array([0.5 + 0.1 * layer.spec.index], dtype=mx.float32)
+    def scalars(model):  # layer scalars other than 1, so a dropped or misplaced one shows
+        for layer in model.layers:
+            layer.layer_scalar = mx.array([0.5 + 0.1 * layer.spec.index], dtype=mx.float32)
 
-    def run():
-        cache = make_cache(model.cfg)
-        return np.concatenate([np.array(model(mx.array(c[None]), cache)) for c in (ids[:12], ids[12:13], ids[13:])], 1)
-
-    default = run()
-    calls = []
-    real = model_module.residual_norm_moe_out
-
-    def counted(*args):
-        calls.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(model_module, "residual_norm_moe_out", counted)
-    monkeypatch.setattr(model_module, "use_kernel", lambda family: family == "norm_moe_out")
-    assert rel_err(run(), default) <= 1e-6
-    assert len(calls) == 3 * sum(layer.spec.moe for layer in model.layers) > 0
+    _moe_family_path_equals_default(moe_fixture, monkeypatch, "norm_moe_out", "residual_norm_moe_out", 29, 1, scalars)
 
 
 def test_fused_projections_share_one_copy_and_fall_back_when_replaced(any_fixture):

@@ -35,38 +35,8 @@ import mlx.core as mx
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import decode  # noqa: E402  (bench/decode.py)
 from hardware import commit, hardware_info, sources_digest, write_result  # noqa: E402
+from gpu_timeline import environment, parse_variant  # noqa: E402
 from step_settings import model_config  # noqa: E402
-
-
-def parse_setting(text: str) -> tuple[str, dict[str, str]]:
-    label, sep, rest = text.partition("=")
-    if not sep or not label:
-        raise SystemExit(f"setting {text!r}: expected label=[VAR=VALUE ...]")
-    env = {}
-    for item in rest.split():
-        var, sep, value = item.partition("=")
-        if not sep or not var:
-            raise SystemExit(f"setting {text!r}: {item!r} is not VAR=VALUE")
-        env[var] = value
-    return label, env
-
-
-class env_set:
-    """Set environment variables for a with-block, restoring them afterwards."""
-
-    def __init__(self, env: dict[str, str]):
-        self.env, self.saved = env, {}
-
-    def __enter__(self):
-        self.saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def steady_decode(step, first: mx.array, seconds: float) -> int:
@@ -95,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-seconds", type=float, default=8.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    settings = [parse_setting(s) for s in args.settings]
+    settings = [parse_variant(s, allow_empty=True) for s in args.settings]
     labels = [label for label, _ in settings]
     if len(set(labels)) != len(labels):
         raise SystemExit("setting labels must differ")
@@ -108,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     first = mx.array([5], mx.int32)
     steps = {}
     for label, env in settings:  # each decoder is traced (and its kernels built) under its own setting
-        with env_set(env):
+        with environment(env):
             t0 = time.time()
             engine.start(args.context, extra)
             steps[label] = engine.full_step()
