@@ -37,15 +37,18 @@ KERNELS_OFF_ENV = "GEMMA4_MLX_KERNELS_OFF"
 measurements of one family against the rest, or a workaround); it wins over UNPROVEN_ENV."""
 
 KERNEL_TEXT_ENV = "GEMMA4_MLX_KERNEL_TEXT"
-"""Environment variable: ``full`` hands MLX the CUDA kernels' text as written (comments and
-indentation: readable in MLX's PTX cache directory, which keeps each module's source); by default
-(``compact``) it gets ``dialect.compact_text`` of it, the same tokens in ~22% fewer bytes. MLX 0.32's
-CUDA ``CustomKernel::eval_gpu`` hashes a kernel's whole generated source on every evaluation (its
+"""Environment variable: the form of the CUDA kernels' text handed to MLX. MLX 0.32's CUDA
+``CustomKernel::eval_gpu`` hashes a kernel's whole generated source on every evaluation (its
 module key), so the text's length is host time per launch: std::_Hash_bytes called from there took
 11.6% of a 26B-A4B decode step's host samples (py-spy --native, bench/NOTES.md, session 21).
-``pruned`` (opt-in, not yet measured on a GPU) also drops the header's helper functions the kernel
-never calls (``dialect.prune_helpers``: ~27% fewer bytes than compact). tests/test_metal_compile.py
-checks that nvcc emits the same PTX for all three forms of every kernel."""
+By default (``pruned``) MLX gets ``dialect.compact_text`` of the text (no comments, indentation or
+blank lines: ~22% fewer bytes) without the header's helper functions the kernel never calls
+(``dialect.prune_helpers``: ~27% fewer again); ``compact`` keeps every helper; ``full`` hands the
+text as written (readable in MLX's PTX cache directory, which keeps each module's source).
+tests/test_metal_compile.py checks that nvcc emits the same PTX for all three forms of every kernel.
+In one process on the H200 (session 22) ``pruned`` ran a 26B-A4B step with 3.75 against 4.07 ms of
+host time per token (267.1 against 244.3 tok/s, ahead in 3 of 3 rounds), an E4B step with 4.66 against
+4.82 ms (ahead in 4 of 5 rounds; its tok/s medians, 200.7 against 208.3, within that machine's spread)."""
 
 UNPROVEN_ENV = "GEMMA4_MLX_UNPROVEN_KERNELS"
 """Comma-separated op families the model uses only when named here: families not on by default,
@@ -54,7 +57,8 @@ because they have not passed ``pytest -m gpu`` on real hardware yet or showed no
 
 PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split",
                     "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
-                    "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out"})  # fmt: skip
+                    "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
+                    "router_fused"})  # fmt: skip
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
@@ -89,17 +93,19 @@ when settings alternated in one process (bench/tools/inprocess_ab.py, 26B-A4B at
 "norm_moe_out" (a MoE layer's end: both branch post-norms, their sum and the residual norm step in
 one launch, custom_kernels.norm) passed its registry cases, operator tests, compute-sanitizer and the
 model tests in session 21 and became a CUDA default there (26B-A4B at 4K 210.0 tok/s median against
-195.3 in one process, ahead in all 3 rounds).
+195.3 in one process, ahead in all 3 rounds); "router_fused" (a MoE router's projection and route in
+one launch, custom_kernels.router.route_logits, CUDA only) passed its registry cases, operator test,
+compute-sanitizer and the model tests in session 22 and became a CUDA default there (26B-A4B at 4K
+276.4 tok/s median against 272.3 in one process, ahead in all 4 rounds, host 3.60 against 3.67 ms).
 The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
-                       "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out"})  # fmt: skip
+                       "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
+                       "router_fused"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"router_fused"})
-"""Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
-"router_fused" (a MoE router's projection and route in one launch, custom_kernels.router.route_logits,
-CUDA only; its text has not run on a GPU yet)."""
+OPT_IN: frozenset[str] = frozenset()
+"""Families written but not on by default on any backend (UNPROVEN_ENV turns them on): none now."""
 
 FAMILIES = PROVEN | OPT_IN
 """Every op family the model can use."""
@@ -234,7 +240,7 @@ def get_kernel(
     """
     which = backend()
     header, source = metal if which == "metal" else cuda
-    text_form = os.environ.get(KERNEL_TEXT_ENV, "").strip() or "compact"
+    text_form = os.environ.get(KERNEL_TEXT_ENV, "").strip() or "pruned"
     if text_form not in ("compact", "full", "pruned"):
         raise ValueError(f"{KERNEL_TEXT_ENV} must be 'compact', 'full' or 'pruned', got {text_form!r}")
     key = (which, name, input_names, output_names, header, source, cuda_shared_memory, text_form)

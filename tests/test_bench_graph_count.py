@@ -72,16 +72,18 @@ _KERNEL_SHAPES = {"head_dim": 256, "global_head_dim": 512, "num_global_key_value
 _EXPERTS = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 64}
 
 
-def _moe_counts_with(graph_count, monkeypatch, family: str):
+def _moe_counts_with(graph_count, monkeypatch, family: str, off: str = ""):
     """Body primitives of the tiny MoE model's step without and with `family` (a CUDA default, so
-    "without" is GEMMA4_MLX_KERNELS_OFF), and its layers."""
+    "without" is GEMMA4_MLX_KERNELS_OFF), both with the families `off` (comma-separated) off, and
+    its layers."""
     import decode
 
     import custom_kernels
 
     cfg = decode._tiny(**_KERNEL_SHAPES, **_EXPERTS)
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, off)
     with_family = graph_count.step_counts(cfg, 40)["body"]
-    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, family)
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, ",".join(filter(None, (family, off))))
     return graph_count.step_counts(cfg, 40)["body"], with_family, cfg.num_hidden_layers
 
 
@@ -105,16 +107,8 @@ def test_norm_moe_out_ends_a_moe_layer_in_one_kernel(graph_count, monkeypatch):
 
 
 def test_router_fused_takes_one_kernel(graph_count, monkeypatch):
-    """With opt-in family "router_fused" a MoE layer's router projection and route are one kernel."""
-    import decode
-
-    import custom_kernels
-
-    cfg = decode._tiny(**_KERNEL_SHAPES, **_EXPERTS)
-    base = graph_count.step_counts(cfg, 40)["body"]
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "router_fused")
-    fused = graph_count.step_counts(cfg, 40)["body"]
-    layers = cfg.num_hidden_layers
+    """With family "router_fused" a MoE layer's router projection and route are one kernel."""
+    base, fused, layers = _moe_counts_with(graph_count, monkeypatch, "router_fused")
     assert base["CustomKernel"] - fused["CustomKernel"] == layers
     assert sum(base.values()) - sum(fused.values()) == layers
 
@@ -177,8 +171,8 @@ def test_moe_layer_view_nodes(graph_count):
 
 def test_router_proj_replaces_the_matmul_nodes(graph_count, monkeypatch):
     """With family "router_proj" a MoE layer's router projection is one kernel instead of MLX's
-    flatten / transpose / matmul / unflatten."""
-    base, fused, layers = _moe_counts_with(graph_count, monkeypatch, "router_proj")
+    flatten / transpose / matmul / unflatten (router_fused off: it takes the projection too)."""
+    base, fused, layers = _moe_counts_with(graph_count, monkeypatch, "router_proj", off="router_fused")
     assert base["Matmul"] == layers and "Matmul" not in fused and "Transpose" not in fused
     assert fused["CustomKernel"] - base["CustomKernel"] == layers
     assert sum(base.values()) - sum(fused.values()) == 3 * layers

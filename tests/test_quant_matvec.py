@@ -464,9 +464,11 @@ def test_kernel_names_carry_a_digest_of_their_text(monkeypatch):
 
 
 def test_cuda_kernels_get_their_text_compacted(monkeypatch):
-    """On CUDA, MLX gets the text without comments and indentation (its name digests that text);
-    GEMMA4_MLX_KERNEL_TEXT=full hands it as written, anything else is refused. Metal keeps it."""
+    """On CUDA, MLX gets the text without comments, indentation and uncalled helpers (its name
+    digests that text); GEMMA4_MLX_KERNEL_TEXT=compact keeps the helpers, full hands the text as
+    written, anything else is refused. Metal keeps it."""
     header, source = "// helpers\n  inline float two() { return 2.0f; }\n", "  /* body */ b[0] = a[0] * two();  // twice\n"
+    three = "inline float three() { return 3.0f; }\n"
     seen = []
 
     def stand_in(**kw):
@@ -477,9 +479,11 @@ def test_cuda_kernels_get_their_text_compacted(monkeypatch):
     monkeypatch.setattr(mx.fast, "cuda_kernel", stand_in)
     custom_kernels.clear_kernel_cache()
     try:
-        for form in ("", "full", "compact"):
+        for form in ("", "full", "pruned"):
             monkeypatch.setenv(custom_kernels.KERNEL_TEXT_ENV, form)
-            custom_kernels.get_kernel("g4_k", ("a",), ("b",), ("", "metal"), (header, source))
+            custom_kernels.get_kernel("g4_k", ("a",), ("b",), ("", "metal"), (header + three, source))
+        monkeypatch.setenv(custom_kernels.KERNEL_TEXT_ENV, "compact")
+        custom_kernels.get_kernel("g4_k", ("a",), ("b",), ("", "metal"), (header + three, source))
         monkeypatch.setenv(custom_kernels.KERNEL_TEXT_ENV, "short")
         with pytest.raises(ValueError, match="GEMMA4_MLX_KERNEL_TEXT must be"):
             custom_kernels.get_kernel("g4_k", ("a",), ("b",), ("", "metal"), (header, source))
@@ -488,16 +492,12 @@ def test_cuda_kernels_get_their_text_compacted(monkeypatch):
             custom_kernels.get_kernel("g4_bad", ("a",), ("b",), ("", "metal"), ("", "b[0] = a[0]; /* open"))
     finally:
         custom_kernels.clear_kernel_cache()
-    compact = ("inline float two() { return 2.0f; }\n", "b[0] = a[0] * two();\n")
-    assert seen[0] == (custom_kernels.mlx_kernel_name("g4_k", *compact), *compact)
-    assert seen[1] == (custom_kernels.mlx_kernel_name("g4_k", header, source), header, source)
-    assert len(seen) == 2  # "compact" is the default form: the cached kernel object serves it
-    monkeypatch.setenv(custom_kernels.KERNEL_TEXT_ENV, "pruned")
-    try:
-        custom_kernels.get_kernel("g4_k", ("a",), ("b",), ("", "metal"), (header + "inline float three() { return 3.0f; }\n", source))
-    finally:
-        custom_kernels.clear_kernel_cache()
-    assert seen.pop() == (custom_kernels.mlx_kernel_name("g4_k", *compact), *compact)  # three() dropped
+    pruned = ("inline float two() { return 2.0f; }\n", "b[0] = a[0] * two();\n")  # three() dropped
+    compact = (pruned[0] + three, pruned[1])
+    assert seen[0] == (custom_kernels.mlx_kernel_name("g4_k", *pruned), *pruned)
+    assert seen[1] == (custom_kernels.mlx_kernel_name("g4_k", header + three, source), header + three, source)
+    assert seen[2] == (custom_kernels.mlx_kernel_name("g4_k", *compact), *compact)
+    assert len(seen) == 3  # "pruned" is the default form: the cached kernel object serves it
     monkeypatch.setattr(custom_kernels, "backend", lambda: "metal")
     monkeypatch.setattr(mx.fast, "metal_kernel", stand_in, raising=False)
     monkeypatch.delenv(custom_kernels.KERNEL_TEXT_ENV)
@@ -505,7 +505,7 @@ def test_cuda_kernels_get_their_text_compacted(monkeypatch):
         custom_kernels.get_kernel("g4_k", ("a",), ("b",), (header, source), ("", "cuda"))
     finally:
         custom_kernels.clear_kernel_cache()
-    assert seen[2] == (custom_kernels.mlx_kernel_name("g4_k", header, source), header, source)
+    assert seen[3] == (custom_kernels.mlx_kernel_name("g4_k", header, source), header, source)
 
 
 def test_compact_text_keeps_tokens_lines_and_literals():
