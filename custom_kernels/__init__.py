@@ -104,8 +104,10 @@ CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "qu
                        "router_fused"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN: frozenset[str] = frozenset()
-"""Families written but not on by default on any backend (UNPROVEN_ENV turns them on): none now."""
+OPT_IN = frozenset({"attention_fused"})
+"""Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
+"attention_fused" (decode attention's partitions and their merge in one launch where the merge is
+small, custom_kernels.attention's g4_attn_decode, CUDA only; its text has not run on a GPU yet)."""
 
 FAMILIES = PROVEN | OPT_IN
 """Every op family the model can use."""

@@ -49,6 +49,12 @@ Kernel design (one body for Metal and CUDA through ``custom_kernels.dialect``):
 2. ``g4_attn_decode_merge``: one threadgroup per output row merges the partitions in ascending
    order (global max first, then sum of exp(m_p - max) * (l_p, acc_p)), divides, and writes q's
    dtype. Fixed order: deterministic, bit-identical run to run.
+3. ``g4_attn_decode`` (CUDA only, with ``counters``; family "attention_fused"): both in one
+   launch where a group's merge reads little (``FUSED_MERGE_BYTES``: the sliding layers). Each
+   partition's threadgroup writes its state as 1. does, fences it and takes a ticket from its
+   (kv head, query tile) group's counter; the group's last active partition merges the group's
+   rows as 2. does (same order, same operations: the same bits) from L2 and sets the counter back
+   to zero. One launch and one graph node fewer per layer.
 
 Shape stability: the grid has P partitions fixed by the capacity S (so one compiled decode step
 serves every token); the valid length ``n_slots`` is an input array, and each partition's slot
@@ -89,6 +95,9 @@ __all__ = [
     "partials_f64",
     "merge_f64",
     "kernel_specs",
+    "new_attention_counters",
+    "fused_supported",
+    "FUSED_MERGE_BYTES",
 ]
 
 KERNEL_HEAD_DIMS = (128, 256, 512)
@@ -498,6 +507,105 @@ _PARTIAL = KernelSource("g4_attn_decode_partial", ("q", "k", "v", "kpos", "qpos"
                       _text(_PARTIAL_BODY))  # fmt: skip
 _MERGE = KernelSource("g4_attn_decode_merge", ("ml", "pacc", "n_slots"), ("out",), _text(_MERGE_BODY))
 
+FUSED_MERGE_BYTES = 128 * 1024
+"""The one-launch form is used where a group's merge reads at most this many bytes of partial
+state (P x QT x D x 4: 31B's sliding layers at 4K read 64 KB; its full layers 2 MB, which one
+threadgroup would read alone, keep the two launches)."""
+
+# The partial kernel's body, then a ticket per (kv head, query tile) group: the group's last active
+# partition merges the group's rows as _MERGE_BODY does (ascending partitions, the same operations:
+# w * l rounded before it is added, w * x fused into the sum), its reads from L2 after a
+# device-scope fence, and zeroes the counter for the next call. With no valid slot (no active
+# partition) partition 0 writes the rows' zeros. Template: the partial kernel's.
+_FUSED_IDLE = r"""
+  if (start >= nslots) {  // an idle partition; with no slot at all, partition 0 writes the zeros
+    if (part == 0) {
+      const int rows0 = QR - row0 < QT ? QR - row0 : QT;
+      for (int i = tid; i < rows0 * D; i += NT) out[((size_t)bh * QR + row0) * D + i] = static_cast<T>(0.0f);
+    }
+    return;
+  }
+"""
+_FUSED_TAIL = r"""
+  // ticket: the (kv head, query tile) group's last active partition merges the group's rows
+  __shared__ int g4_last;
+  __shared__ float g4_m[RPMAX];  // the group's (row, partition) maxima and sums: nrows x nactive
+  __shared__ float g4_l[RPMAX];
+  __threadfence();
+  $barrier;
+  const int nactive = (nslots + chunk - 1) / chunk < nparts ? (nslots + chunk - 1) / chunk : nparts;
+  unsigned int* done = const_cast<unsigned int*>(counters) + (size_t)bh * gridDim.z + blockIdx.z;
+  if (tid == 0) g4_last = atomicAdd(done, 1u) == (unsigned int)(nactive - 1) ? 1 : 0;
+  $barrier;
+  if (g4_last == 0) return;
+  __threadfence();
+  if (tid == 0) *done = 0u;
+  const size_t gbase = (size_t)bh * nparts * QR + row0;  // row r of partition p: gbase + p * QR + r
+  for (int i = tid; i < nrows * nactive; i += NT) {
+    const size_t j = gbase + (size_t)(i % nactive) * QR + i / nactive;
+    g4_m[i] = __ldcg(ml + j * 2);
+    g4_l[i] = __ldcg(ml + j * 2 + 1);
+  }
+  $barrier;
+  constexpr int LB = 8;  // partial rows loaded before they are added
+  $unroll for (int i = 0; i < RPT; ++i) {
+    const int r = rg + RG * i;
+    if (r < nrows) {
+      const float* mr = g4_m + r * nactive;
+      const float* lr = g4_l + r * nactive;
+      float top = NEG_INF;
+      for (int p = 0; p < nactive; ++p) top = mr[p] > top ? mr[p] : top;
+      float total = 0.0f;
+      float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int p0 = 0; p0 < nactive && top > NEG_INF; p0 += LB) {
+        float4 x[LB];
+        $unroll for (int u = 0; u < LB; ++u) {
+          const size_t j = gbase + (size_t)(p0 + u) * QR + r;
+          x[u] = p0 + u < nactive ? __ldcg(reinterpret_cast<const float4*>(pacc + j * D + 4 * dv)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        $unroll for (int u = 0; u < LB; ++u) {
+          if (p0 + u < nactive) {
+            const float mp = mr[p0 + u];
+            const float w = mp > NEG_INF ? g4_attn_exp(mp - top) : 0.0f;
+            total += __fmul_rn(w, mp > NEG_INF ? lr[p0 + u] : 0.0f);
+            a[0] += w * x[u].x;
+            a[1] += w * x[u].y;
+            a[2] += w * x[u].z;
+            a[3] += w * x[u].w;
+          }
+        }
+      }
+      $unroll for (int e = 0; e < 4; ++e) {
+        out[((size_t)bh * QR + row0 + r) * D + 4 * dv + e] = static_cast<T>(total > 0.0f ? a[e] / total : 0.0f);
+      }
+    }
+  }
+"""
+
+
+def _fused_body() -> str:
+    """_PARTIAL_BODY with the idle exit of _FUSED_IDLE, then _FUSED_TAIL (its shared arrays hold
+    the (row, partition) pairs of a merge of FUSED_MERGE_BYTES: P x QT x D x 4)."""
+    body = _PARTIAL_BODY.replace("attn_decode_partial: split-GQA decode attention over one sequence partition",
+                                 "attn_decode: the partial kernel, then the group's last partition merges", 1)  # fmt: skip
+    old = "  if (start >= nslots) return;  // an idle partition (the whole group returns): the merge skips it\n"
+    assert body.count(old) == 1
+    rpmax = f"  constexpr int RPMAX = {FUSED_MERGE_BYTES // 4} / D;\n"
+    return body.replace(old, _FUSED_IDLE.lstrip("\n")) + rpmax + _FUSED_TAIL
+
+
+_FUSED = KernelSource("g4_attn_decode", ("q", "k", "v", "kpos", "qpos", "n_slots", "counters"), ("ml", "pacc", "out"),
+                      {"metal": ("", ""), "cuda": (_text("")["cuda"][0], _local(render(_fused_body(), "cuda"), "cuda"))})  # fmt: skip
+ATTENTION_COUNTER_WORDS = 256
+"""uint32 words of an attention layer's counters: one per (batch x kv head, query tile) group."""
+
+
+def new_attention_counters() -> mx.array:
+    """The zeroed uint32 counters one sequence of fused decode-attention calls shares (one per
+    layer), from host memory (see moe_experts.new_counters: a lazy zeros op would be one buffer
+    for all)."""
+    return mx.array(np.zeros(ATTENTION_COUNTER_WORDS, np.uint32))
+
 
 # --------------------------------------------------------------------------------------------
 # Launch planning
@@ -587,6 +695,7 @@ class DecodePlan:
     out_shape: tuple[int, int, int, int]
     parts: int
     shared_bytes: int
+    merge_bytes: int  # partial state one (kv head, query tile) group's merge reads: P x QT x D x 4
 
 
 def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: int, q_dtype: str, kv_dtype: str,
@@ -631,6 +740,7 @@ def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: i
         out_shape=(batch, n_q, m, head_dim),
         parts=parts,
         shared_bytes=shared,
+        merge_bytes=4 * parts * qt * head_dim,
     )
 
 
@@ -649,12 +759,22 @@ def _slots_array(n_slots, slots: int) -> mx.array:
     return mx.clip(n_slots.astype(mx.int32).reshape(1), 0, slots)
 
 
+def fused_supported(plan: DecodePlan) -> bool:
+    """True when a call with this plan may take the one-launch kernel g4_attn_decode: a CUDA build,
+    a merge of at most FUSED_MERGE_BYTES per group and a counter word for each group."""
+    groups = plan.partial_grid[0] // plan.partial_threadgroup[0] * plan.partial_grid[2]
+    return backend() == "cuda" and plan.merge_bytes <= FUSED_MERGE_BYTES and groups <= ATTENTION_COUNTER_WORDS
+
+
 def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
                             q_positions: mx.array, window: int | None = None, n_slots=None,
                             config: AttentionConfig | None = None, init_value: float | None = None,
-                            out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+                            out_shape: tuple[int, ...] | None = None,
+                            counters: mx.array | None = None) -> mx.array:  # fmt: skip
     """Run the two kernels (GPU builds only, no fallback) -> [B, n_q, M, D] in q.dtype, or the same
-    elements in ``out_shape`` (the merge kernel writes its rows flat: no reshape node).
+    elements in ``out_shape`` (the merge kernel writes its rows flat: no reshape node). With
+    ``counters`` (``new_attention_counters()``, one per sequence of calls that run one after
+    another: a layer's) the one launch of g4_attn_decode where ``fused_supported``.
 
     ``init_value`` fills every output (partials included) before the kernels run (tests poison
     them with NaN)."""
@@ -663,9 +783,24 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
     if out_shape is not None and math.prod(out_shape) != math.prod(plan.out_shape):
         raise ValueError(f"output shape {out_shape} does not hold the {plan.out_shape} result")
     bound = _slots_array(n_slots, S)
+    inputs = [q, k_cache, v_cache, positions.astype(mx.int32), q_positions.astype(mx.int32), bound]
+    if counters is not None and fused_supported(plan):
+        if counters.dtype != mx.uint32 or counters.shape != (ATTENTION_COUNTER_WORDS,):
+            raise ValueError(f"counters must be uint32 [{ATTENTION_COUNTER_WORDS}] (new_attention_counters()), "
+                             f"got {counters.dtype} {counters.shape}")  # fmt: skip
+        *_, out = _FUSED.kernel()(
+            inputs=[*inputs, counters],
+            template=template_args(plan.partial_template),
+            grid=plan.partial_grid,
+            threadgroup=plan.partial_threadgroup,
+            output_shapes=[*plan.partial_shapes, out_shape or plan.out_shape],
+            output_dtypes=[mx.float32, mx.float32, q.dtype],
+            init_value=init_value,
+        )
+        return out
     partial, merge = _PARTIAL.kernel(), _MERGE.kernel()
     ml, pacc = partial(
-        inputs=[q, k_cache, v_cache, positions.astype(mx.int32), q_positions.astype(mx.int32), bound],
+        inputs=inputs,
         template=template_args(plan.partial_template),
         grid=plan.partial_grid,
         threadgroup=plan.partial_threadgroup,
@@ -687,7 +822,7 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
 
 def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
                      q_positions: mx.array, window: int | None = None, *, n_slots=None,
-                     merged: bool = False) -> mx.array:  # fmt: skip
+                     merged: bool = False, counters: mx.array | None = None) -> mx.array:  # fmt: skip
     """Attention of q [B, n_q, M, D] over whole cache buffers [B, n_kv, S, D] -> [B, n_q, M, D], or
     with ``merged`` [B, M, n_q * D] (each row's heads side by side, what the output projection
     reads; at M = 1 the kernel writes that shape directly, without a reshape node).
@@ -696,14 +831,15 @@ def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, position
     sliding window (keys per query incl. itself) or None. n_slots (int or int32 array [1],
     optional): slots 0..n_slots-1 are the only ones that can be attended (a full cache's length);
     default all S. Custom kernels on Metal/CUDA for head dim 128/256/512 and M <= 8, else
-    ``decode_attention_reference``. Pass the cache buffers themselves: a non-contiguous slice is
-    copied before a kernel reads it."""
+    ``decode_attention_reference``; with ``counters`` (``new_attention_counters()``, the layer's)
+    one launch where ``fused_supported``. Pass the cache buffers themselves: a non-contiguous
+    slice is copied before a kernel reads it."""
     B, n_q, M, D, _, _ = _check(q, k_cache, v_cache, positions, q_positions, window)
     args = (q, k_cache, v_cache, positions, q_positions, window)
     kernels = not use_reference() and D in KERNEL_HEAD_DIMS and 1 <= M <= MAX_QUERY_ROWS
     if kernels and merged and M == 1:  # [B, n_q, 1, D] and [B, 1, n_q * D] are the same flat rows
-        return launch_decode_attention(*args, n_slots, out_shape=(B, 1, n_q * D))
-    out = launch_decode_attention(*args, n_slots) if kernels else decode_attention_reference(*args)
+        return launch_decode_attention(*args, n_slots, out_shape=(B, 1, n_q * D), counters=counters)
+    out = launch_decode_attention(*args, n_slots, counters=counters) if kernels else decode_attention_reference(*args)
     return out.transpose(0, 2, 1, 3).reshape(B, M, n_q * D) if merged else out
 
 
@@ -896,6 +1032,26 @@ def _merge_case(rng, out_dtype, B, n_q, n_kv, M, D, positions, q_positions, wind
     )  # fmt: skip
 
 
+def _fused_case(rng, q_dtype, kv_dtype, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, cfg):
+    from .registry import KernelCase
+
+    pr = _problem(rng, q_dtype, kv_dtype, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots)
+    S = len(positions)
+    plan = plan_decode(B, n_q, n_kv, M, S, D, q_dtype, kv_dtype, window, cfg, "cuda")
+    ml, acc = partials_f64(pr.q64, pr.k64, pr.v64, pr.positions, pr.q_positions, window, n_slots, plan.parts,
+                           cfg.min_chunk, cfg.tile)  # fmt: skip
+    out = merge_f64(ml, acc, n_slots, cfg.min_chunk, cfg.tile).reshape(plan.out_shape)
+    return KernelCase(
+        inputs={"q": pr.q, "k": pr.k, "v": pr.v, "kpos": pr.positions, "qpos": pr.q_positions,
+                "n_slots": np.array([n_slots], np.int32), "counters": np.zeros(ATTENTION_COUNTER_WORDS, np.uint32)},
+        template=plan.partial_template, grid=plan.partial_grid, threadgroup=plan.partial_threadgroup,
+        output_shapes=[*plan.partial_shapes, plan.out_shape], output_dtypes=["float32", "float32", q_dtype],
+        expected=[ml, acc, out], rtol=2e-5 if q_dtype == "float32" else 2**-8, atol=1e-5, input_dtypes=pr.in_dtypes,
+        label=f"q {q_dtype} kv {kv_dtype} B={B} n_q={n_q} n_kv={n_kv} M={M} D={D} S={S} W={window} "
+              f"n_slots={n_slots} P={plan.parts} {cfg}",
+    )  # fmt: skip
+
+
 def _ring(capacity: int, first: int, last: int, empty=(), future=()) -> np.ndarray:
     """Ring positions: slot p % capacity holds p for p in first..last; ``empty`` slots hold -1 and
     ``future`` slots a position past ``last`` (a rolled-back token)."""
@@ -955,12 +1111,35 @@ def _merge_cases(rng: np.random.Generator):
     ]  # fmt: skip
 
 
+def _fused_cases(rng: np.random.Generator):
+    c = AttentionConfig
+    return [
+        # the sliding ring of the first partial case: 3 partitions (8, 8, 4 slots) per group, 2 groups
+        _fused_case(rng, "float32", "bfloat16", 1, 4, 2, 1, 256, _ring(20, 31, 50, empty=(3, 12)), [50], 12, 20,
+                    c(rows=16, simd_groups=2, tile=8, min_chunk=8, target_groups=6)),
+        # full layer, M = 3: 12 query rows in tiles of 8 + 4 (two groups of one kv head), an idle
+        # partition, bf16 q and output, D = 512
+        _fused_case(rng, "bfloat16", "float32", 1, 4, 1, 3, 512, np.arange(24), [10, 11, 12], None, 13,
+                    c(rows=8, simd_groups=4, tile=8, min_chunk=8, target_groups=8)),
+        # two sequences, G = 8, M = 2, a window of 5 over a ring with an empty and a rolled-back slot
+        _fused_case(rng, "float32", "float32", 2, 8, 1, 2, 256, _ring(13, 30, 42, empty=(5,), future=(7,)),
+                    [41, 42], 5, 13, c(rows=16, simd_groups=4, tile=8, min_chunk=8, target_groups=8)),
+        # 37 of 38 partitions active (D = 128, one SIMD group), the CUDA tile of 32 slots
+        _fused_case(rng, "bfloat16", "bfloat16", 1, 2, 1, 1, 128, np.arange(1216), [1183], None, 1184,
+                    c(rows=8, simd_groups=1, tile=32, min_chunk=32, target_groups=38)),
+        # no valid slot: no partition is active, partition 0 writes zeros
+        _fused_case(rng, "bfloat16", "bfloat16", 1, 4, 2, 1, 256, np.arange(64), [0], None, 0,
+                    c(rows=16, simd_groups=2, tile=8, min_chunk=8, target_groups=8)),
+    ]  # fmt: skip
+
+
 def kernel_specs():
-    """KernelSpec of the decode-attention kernels, with small emulator cases (odd tails included)."""
+    """KernelSpec of the decode-attention kernels, with small emulator cases (odd tails included);
+    g4_attn_decode is CUDA only (an empty Metal text)."""
     from .registry import KernelSpec
 
     specs = []
-    for kdef, cases in ((_PARTIAL, _partial_cases), (_MERGE, _merge_cases)):
+    for kdef, cases in ((_PARTIAL, _partial_cases), (_MERGE, _merge_cases), (_FUSED, _fused_cases)):
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
         specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs, cases))
     return specs

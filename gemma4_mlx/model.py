@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from custom_kernels import use_kernel
-from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention
+from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention, new_attention_counters
 from custom_kernels.norm import residual_norm, residual_norm_moe, residual_norm_moe_out, residual_norm_reference
 from custom_kernels.quant_matvec import gelu_tanh
 from custom_kernels.rope import inverse_frequencies, norm_rope
@@ -110,6 +110,7 @@ class Attention(nn.Module):
                 self.v_proj = nn.Linear(H, spec.num_kv_heads * d, bias=False)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(d, cfg.rms_norm_eps, with_scale=False)
+        self._counters = new_attention_counters()  # the one-launch decode attention's tickets (not a parameter)
         if spec.is_sliding:
             self._rope = dict(base=spec.rope_theta, freqs=None)
             self._inv_freq = mx.array(inverse_frequencies(d, base=spec.rope_theta))
@@ -184,8 +185,9 @@ class Attention(nn.Module):
         if T <= MAX_QUERY_ROWS and use_kernel("attention"):
             # decode / verification on a GPU: split-GQA kernel straight over the cache buffers, its
             # output already [B, T, heads * d]
+            counters = self._counters if use_kernel("attention_fused") else None  # one launch where it pays
             out = decode_attention(q, keys, values, positions, q_pos, s.sliding_window, n_slots=n_slots,
-                                   merged=True)  # fmt: skip
+                                   merged=True, counters=counters)  # fmt: skip
         else:
             out = _merge_heads(mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0,
                                                                     mask=mask_fn(s, positions)))  # fmt: skip

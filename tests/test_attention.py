@@ -413,3 +413,53 @@ def test_merged_output(monkeypatch, M):
     assert got.shape == (2, M, 4 * 128)
     got_heads = got.reshape(2, M, 4, 128).transpose(0, 2, 1, 3)
     assert _rel_error(got_heads, want, bound) <= F32_LIMIT
+
+
+def test_fused_launch_rule(monkeypatch):
+    """The one-launch kernel (family "attention_fused") takes a call where its merge is small:
+    every Gemma 4 sliding ring at M = 1 (decode), not at M > 1 (more query rows per tile), nor the
+    31B / 26B-A4B / 12B full layers at 4K (one threadgroup would read their 2-4 MB of partition state
+    alone); never on a CPU or Metal build."""
+    rings = ((256, 2, 16, 1024), (256, 4, 2, 512), (256, 2, 8, 1024))  # (D, G, n_kv, window)
+    fulls = ((512, 8, 4), (512, 16, 1), (512, 8, 2))  # (D, G, n_kv)
+
+    def plan(D, G, n_kv, M, S, window):
+        return at.plan_decode(1, G * n_kv, n_kv, M, S, D, "bfloat16", "bfloat16", window, None, "cuda")
+
+    monkeypatch.setattr(at, "backend", lambda: "cuda")
+    for D, G, n_kv, window in rings:
+        for M in range(1, 9):
+            p = plan(D, G, n_kv, M, window + 32, window)
+            assert p.merge_bytes == 4 * p.parts * dict(p.partial_template)["QT"] * D
+            assert at.fused_supported(p) == (M == 1)  # more rows per query tile: a larger merge
+    for D, G, n_kv in fulls:
+        for M in range(1, 9):
+            assert not at.fused_supported(plan(D, G, n_kv, M, 4096, None))
+    monkeypatch.setattr(at, "backend", lambda: "metal")
+    assert not at.fused_supported(plan(256, 2, 16, 1, 1056, 1024))
+
+
+def test_fused_kernel_text():
+    """g4_attn_decode is CUDA only (an empty Metal text) and is the partial kernel's text with its
+    idle exit replaced, then the ticket and the merge."""
+    spec = {s.name: s for s in all_kernel_specs()}["g4_attn_decode"]
+    assert not spec.metal_source and spec.input_names[-1] == "counters" and spec.output_names == ("ml", "pacc", "out")
+    assert at._fused_body().startswith(at._PARTIAL_BODY[:at._PARTIAL_BODY.index("  if (start >= nslots)")].replace(
+        "attn_decode_partial: split-GQA decode attention over one sequence partition",
+        "attn_decode: the partial kernel, then the group's last partition merges"))  # fmt: skip
+    for needed in ("atomicAdd(done, 1u)", "__threadfence();", "*done = 0u;", "__ldcg(ml +", "__fmul_rn(w,"):
+        assert needed in spec.cuda_source, needed
+    assert len(spec.cases(np.random.default_rng(0))) == 5
+
+
+def test_counters_reach_the_reference_on_cpu():
+    """On a CPU build decode_attention with counters is the reference (the counters untouched)."""
+    if custom_kernels.backend() != "cpu":
+        pytest.skip("CPU build only")
+    rng = np.random.default_rng(10)
+    pos, qpos, window = _layout(rng, "ring", 1)
+    args, _, _ = _problem(rng, 1, 4, 2, 1, 256, pos, qpos, window, mx.bfloat16)
+    counters = at.new_attention_counters()
+    out = at.decode_attention(*args, window, counters=counters)
+    assert mx.array_equal(out, at.decode_attention_reference(*args, window)).item()
+    assert counters.shape == (256,) and counters.dtype == mx.uint32 and not np.array(counters).any()

@@ -196,3 +196,50 @@ def test_merged_output_shape(M):
     assert merged.shape == (2, M, 32 * 256)
     _check(merged.reshape(2, M, 32, 256).transpose(0, 2, 1, 3), want, bound, mx.bfloat16, f"merged M={M}")
     assert mx.array_equal(merged, plain.transpose(0, 2, 1, 3).reshape(2, M, -1)).item()
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="g4_attn_decode is CUDA only")
+@pytest.mark.parametrize("name, n_q, n_kv, D, layout", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_fused_kernel_equals_the_two_launches(name, n_q, n_kv, D, layout, dtype):
+    """g4_attn_decode (family "attention_fused"): bit for bit the two launches' output at M = 1, 3
+    and 8 with poisoned outputs, and within the oracle's bound; one counters array for every call
+    (each call's last threadgroup sets it back to zero). The sliding rings take it with the default
+    geometry at M = 1; other calls with partitions long enough that the merge fits
+    FUSED_MERGE_BYTES."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + D + 7)
+    counters = at.new_attention_counters()
+    base = at.default_config(D)
+    for M in (1, 3, 8):
+        pos, qpos, window, n_slots = _layout(name, layout, M)
+        args, want, bound = _problem(rng, 1, n_q, n_kv, M, D, pos, qpos, window, dtype, n_slots)
+        dt = custom_kernels.dtype_name(dtype)
+        config = None
+        plan = at.plan_decode(1, n_q, n_kv, M, len(pos), D, dt, dt, window)
+        assert at.fused_supported(plan) == (layout == "ring" and M == 1), f"{name}: merge of {plan.merge_bytes} bytes"
+        chunk = base.min_chunk
+        while not at.fused_supported(plan):
+            chunk *= 2
+            config = at.AttentionConfig(**{**base.__dict__, "min_chunk": chunk})
+            plan = at.plan_decode(1, n_q, n_kv, M, len(pos), D, dt, dt, window, config)
+        fused = at.launch_decode_attention(*args, window, n_slots=n_slots, config=config, init_value=NAN,
+                                           counters=counters)  # fmt: skip
+        two = at.launch_decode_attention(*args, window, n_slots=n_slots, config=config)
+        _check(fused, want, bound, dtype, f"{name} M={M} {dtype} fused, {plan.parts} partitions")
+        assert mx.array_equal(fused, two).item(), f"{name} M={M} {dtype}: not the two launches' bits"
+        assert not np.array(counters).any(), f"{name} M={M}: counters not reset"
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="g4_attn_decode is CUDA only")
+def test_fused_kernel_rows_without_keys_and_empty_cache():
+    """The one launch with a row past its window (zeros), and with no valid slot at all (no active
+    partition: partition 0 writes the zeros)."""
+    rng = np.random.default_rng(25)
+    counters = at.new_attention_counters()
+    args, want, bound = _problem(rng, 1, 8, 2, 2, 256, _ring(64, 40), [40, 200], 16, mx.float32)
+    out = at.launch_decode_attention(*args, 16, init_value=NAN, counters=counters)
+    _check(out, want, bound, mx.float32, "fused, row past the window")
+    assert float(mx.abs(out[:, :, 1]).max()) == 0.0
+    empty = at.launch_decode_attention(*args, 16, n_slots=0, init_value=NAN, counters=counters)
+    assert float(mx.abs(empty).max()) == 0.0
+    assert not np.array(counters).any()
