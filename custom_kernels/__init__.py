@@ -58,7 +58,7 @@ because they have not passed ``pytest -m gpu`` on real hardware yet or showed no
 PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split",
                     "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                     "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
-                    "router_fused"})  # fmt: skip
+                    "router_fused", "attention_fused"})  # fmt: skip
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
@@ -96,18 +96,21 @@ model tests in session 21 and became a CUDA default there (26B-A4B at 4K 210.0 t
 195.3 in one process, ahead in all 3 rounds); "router_fused" (a MoE router's projection and route in
 one launch, custom_kernels.router.route_logits, CUDA only) passed its registry cases, operator test,
 compute-sanitizer and the model tests in session 22 and became a CUDA default there (26B-A4B at 4K
-276.4 tok/s median against 272.3 in one process, ahead in all 4 rounds, host 3.60 against 3.67 ms).
+276.4 tok/s median against 272.3 in one process, ahead in all 4 rounds, host 3.60 against 3.67 ms);
+"attention_fused" (decode attention's partitions and their merge in one launch where the merge is
+small: the sliding layers at one token, custom_kernels.attention's g4_attn_decode, CUDA only)
+passed its registry cases, operator tests (bit-equal to the two launches), compute-sanitizer and
+the model tests in session 22 and became a CUDA default there (in one process at 4K: 26B-A4B 281.8
+tok/s median against 259.4, host lower in 4 of 4 rounds; E4B 226.2 against 201.7, ahead in 4 of 4).
 The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                        "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
-                       "router_fused"})  # fmt: skip
+                       "router_fused", "attention_fused"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"attention_fused"})
-"""Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
-"attention_fused" (decode attention's partitions and their merge in one launch where the merge is
-small, custom_kernels.attention's g4_attn_decode, CUDA only; its text has not run on a GPU yet)."""
+OPT_IN: frozenset[str] = frozenset()
+"""Families written but not on by default on any backend (UNPROVEN_ENV turns them on): none now."""
 
 FAMILIES = PROVEN | OPT_IN
 """Every op family the model can use."""

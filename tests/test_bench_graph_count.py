@@ -198,16 +198,16 @@ def test_kernels_off_moves_a_default_family_off(graph_count, monkeypatch):
 
 
 def test_attention_fused_takes_one_kernel(graph_count, monkeypatch):
-    """With opt-in family "attention_fused" a layer's decode attention is one kernel where its
-    merge is small: at this short context every layer's (5 sliding, 1 full)."""
+    """With family "attention_fused" a layer's decode attention is one kernel where its merge is
+    small: at this short context every layer's (5 sliding, 1 full)."""
     import decode
 
     import custom_kernels
 
     cfg = decode._tiny(**_KERNEL_SHAPES)
-    base = graph_count.step_counts(cfg, 40)["body"]
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "attention_fused")
     fused = graph_count.step_counts(cfg, 40)["body"]
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "attention_fused")
+    base = graph_count.step_counts(cfg, 40)["body"]
     layers = cfg.num_hidden_layers
     assert base["CustomKernel"] - fused["CustomKernel"] == layers
     assert sum(base.values()) - sum(fused.values()) == layers
