@@ -109,8 +109,10 @@ CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "qu
                        "router_fused", "attention_fused"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN: frozenset[str] = frozenset()
-"""Families written but not on by default on any backend (UNPROVEN_ENV turns them on): none now."""
+OPT_IN = frozenset({"matvec_norm"})
+"""Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
+"matvec_norm" (a one-token Q4_0 / Q8_0 split-K projection and the residual norm after it in one
+launch, custom_kernels.matvec_norm, CUDA only; its text has not run on a GPU yet)."""
 
 FAMILIES = PROVEN | OPT_IN
 """Every op family the model can use."""

@@ -15,6 +15,7 @@ import mlx.nn as nn
 
 from custom_kernels import use_kernel
 from custom_kernels.attention import MAX_QUERY_ROWS, decode_attention, new_attention_counters
+from custom_kernels.matvec_norm import matvec_norm_supported, matvec_residual_norm, new_matvec_norm_counters
 from custom_kernels.norm import residual_norm, residual_norm_moe, residual_norm_moe_out, residual_norm_reference
 from custom_kernels.quant_matvec import gelu_tanh
 from custom_kernels.rope import inverse_frequencies, norm_rope
@@ -44,6 +45,18 @@ def add_norm(h, a, post_norm: RMSNorm, next_norm: RMSNorm | None = None, scale=N
     w_next = None if next_norm is None else next_norm.weight
     fused = residual_norm if use_kernel("norm") else residual_norm_reference
     return fused(h, a, post_norm.weight, w_next, post_norm.eps, scale)
+
+
+def linear_add_norm(linear, y, h, post_norm: RMSNorm, next_norm: RMSNorm | None = None, scale=None, counters=None):
+    """add_norm(h, linear(y), post_norm, next_norm, scale): one launch where `linear` holds raw
+    Q4_0 / Q8_0 blocks and custom_kernels.matvec_norm takes the call (family "matvec_norm";
+    counters: the call site's new_matvec_norm_counters())."""
+    w_next = None if next_norm is None else next_norm.weight
+    if (counters is None or getattr(linear, "blocks", None) is None
+            or not matvec_norm_supported(y, linear.ggml_type, linear.out_dims, h, post_norm.weight, w_next, scale)):
+        return add_norm(h, linear(y), post_norm, next_norm, scale)
+    return matvec_residual_norm(y, linear.blocks, linear.ggml_type, linear.out_dims, h, post_norm.weight, w_next,
+                                post_norm.eps, scale, counters)  # fmt: skip
 
 
 class ExpertLinear(nn.Module):
@@ -165,10 +178,15 @@ class Attention(nn.Module):
         return q, self.rope(self.k_norm(k), offset), self.v_norm(v)
 
     def __call__(self, x, offset, q_pos, cache, shared_kv, mask_fn):
-        """x [B, T, H] -> [B, T, H]; offset: positions held before this step (int, or the int32
-        array of a compiled step), q_pos: int32 [T] this step's positions (offset + 0..T-1, computed
-        once per step by TextModel). Owners update `cache` and publish (K, V, positions, n_slots) in
-        shared_kv[type] for the KV-shared consumers of this step; consumers read it from there."""
+        """x [B, T, H] -> [B, T, H]: o_proj(attend(...))."""
+        return self.o_proj(self.attend(x, offset, q_pos, cache, shared_kv, mask_fn))
+
+    def attend(self, x, offset, q_pos, cache, shared_kv, mask_fn):
+        """x [B, T, H] -> the heads' attention output [B, T, heads * d] (o_proj's input); offset:
+        positions held before this step (int, or the int32 array of a compiled step), q_pos: int32
+        [T] this step's positions (offset + 0..T-1, computed once per step by TextModel). Owners
+        update `cache` and publish (K, V, positions, n_slots) in shared_kv[type] for the KV-shared
+        consumers of this step; consumers read it from there."""
         T = x.shape[1]
         s = self.spec
         q, k, v = self.heads(x, offset, q_pos)
@@ -191,7 +209,7 @@ class Attention(nn.Module):
         else:
             out = _merge_heads(mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0,
                                                                     mask=mask_fn(s, positions)))  # fmt: skip
-        return self.o_proj(out)
+        return out
 
 
 class MLP(nn.Module):
@@ -202,10 +220,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(width, hidden, bias=False)
 
     def __call__(self, x):
+        return self.down_proj(self.hidden(x))
+
+    def hidden(self, x):
+        """gelu_tanh(gate_proj(x)) * up_proj(x): down_proj's input [..., width]."""
         fused = getattr(self, "gate_up_proj", None)  # quantized.fuse_projections: one launch
         if fused is not None and fused.intact():
-            return self.down_proj(fused.gelu_product(x))
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+            return fused.gelu_product(x)
+        return gelu_tanh(self.gate_proj(x)) * self.up_proj(x)
 
 
 class Router(nn.Module):
@@ -278,6 +300,7 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(H, eps)
         self.post_feedforward_layernorm = RMSNorm(H, eps)
         self.layer_scalar = mx.ones((1,))
+        self._tickets = [new_matvec_norm_counters() for _ in range(3)]  # linear_add_norm's call sites
         if spec.moe:
             self.router = Router(cfg)
             self.experts = Experts(cfg)
@@ -295,33 +318,44 @@ class DecoderLayer(nn.Module):
         """h: the residual stream [B, T, H], x: input_layernorm(h) -> (this layer's output h,
         next_norm(h)): the next layer's input norm (or the final norm) is fused into this layer's
         last residual add."""
-        a = self.self_attn(x, offset, q_pos, cache, shared_kv, mask_fn)
-        if self.spec.moe:
-            h, x, x_experts, x_router = self._moe_inputs(h, a)
-            weights, indices = self.router.select(x_router)
-            moe = self.experts(x_experts, weights, indices)
-            if not self.ple and use_kernel("norm_moe_out"):  # the layer's end in one launch
-                return residual_norm_moe_out(h, self.mlp(x), moe, self.post_feedforward_layernorm_1.weight,
-                                             self.post_feedforward_layernorm_2.weight,
-                                             self.post_feedforward_layernorm.weight,
-                                             None if next_norm is None else next_norm.weight,
-                                             self.post_feedforward_layernorm.eps, self.layer_scalar)  # fmt: skip
-            # post_ff_norm_1(mlp) + post_ff_norm_2(moe): the residual-norm op (one launch for the
-            # second norm and the add on GPUs)
-            m, _ = add_norm(self.post_feedforward_layernorm_1(self.mlp(x)), moe, self.post_feedforward_layernorm_2)
-        else:
-            h, x = add_norm(h, a, self.post_attention_layernorm, self.pre_feedforward_layernorm)
-            m = self.mlp(x)
+        attn = self.self_attn
+        if not self.spec.moe:
+            y = attn.attend(x, offset, q_pos, cache, shared_kv, mask_fn)
+            h, x = linear_add_norm(attn.o_proj, y, h, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                                   counters=self._tickets[0])  # fmt: skip
+            if not self.ple:
+                return linear_add_norm(self.mlp.down_proj, self.mlp.hidden(x), h, self.post_feedforward_layernorm,
+                                       next_norm, self.layer_scalar, self._tickets[1])  # fmt: skip
+            h, _ = linear_add_norm(self.mlp.down_proj, self.mlp.hidden(x), h, self.post_feedforward_layernorm,
+                                   counters=self._tickets[1])  # fmt: skip
+            return self._ple(h, per_layer_input, next_norm)
+        h, x, x_experts, x_router = self._moe_inputs(h, attn(x, offset, q_pos, cache, shared_kv, mask_fn))
+        weights, indices = self.router.select(x_router)
+        moe = self.experts(x_experts, weights, indices)
+        if not self.ple and use_kernel("norm_moe_out"):  # the layer's end in one launch
+            return residual_norm_moe_out(h, self.mlp(x), moe, self.post_feedforward_layernorm_1.weight,
+                                         self.post_feedforward_layernorm_2.weight,
+                                         self.post_feedforward_layernorm.weight,
+                                         None if next_norm is None else next_norm.weight,
+                                         self.post_feedforward_layernorm.eps, self.layer_scalar)  # fmt: skip
+        # post_ff_norm_1(mlp) + post_ff_norm_2(moe): the residual-norm op (one launch for the
+        # second norm and the add on GPUs)
+        m, _ = add_norm(self.post_feedforward_layernorm_1(self.mlp(x)), moe, self.post_feedforward_layernorm_2)
         if self.ple:
             h, _ = add_norm(h, m, self.post_feedforward_layernorm)
-            gate = self.per_layer_input_gate
-            if hasattr(gate, "gelu_mul") and per_layer_input.dtype == h.dtype:
-                g = gate.gelu_mul(h, per_layer_input)  # BlockLinear: one launch where family matvec_gelu_mul is on
-            else:
-                g = gelu_tanh(gate(h)) * per_layer_input
-            m = self.per_layer_projection(g)
-            return add_norm(h, m, self.post_per_layer_input_norm, next_norm, self.layer_scalar)
+            return self._ple(h, per_layer_input, next_norm)
         return add_norm(h, m, self.post_feedforward_layernorm, next_norm, self.layer_scalar)
+
+    def _ple(self, h, per_layer_input, next_norm):
+        """An E-series layer's end: its per-layer input gated by h, projected, added through its
+        norm, times the layer scalar -> (h, next_norm(h))."""
+        gate = self.per_layer_input_gate
+        if hasattr(gate, "gelu_mul") and per_layer_input.dtype == h.dtype:
+            g = gate.gelu_mul(h, per_layer_input)  # BlockLinear: one launch where family matvec_gelu_mul is on
+        else:
+            g = gelu_tanh(gate(h)) * per_layer_input
+        return linear_add_norm(self.per_layer_projection, g, h, self.post_per_layer_input_norm, next_norm,
+                               self.layer_scalar, self._tickets[2])  # fmt: skip
 
     def _moe_inputs(self, h, a):
         """A MoE layer after attention: h + post_attention_norm(a) and the three norms of it the

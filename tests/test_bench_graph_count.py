@@ -211,3 +211,19 @@ def test_attention_fused_takes_one_kernel(graph_count, monkeypatch):
     layers = cfg.num_hidden_layers
     assert base["CustomKernel"] - fused["CustomKernel"] == layers
     assert sum(base.values()) - sum(fused.values()) == layers
+
+
+def test_matvec_norm_takes_the_norms_into_the_projections(graph_count, monkeypatch):
+    """With opt-in family "matvec_norm" a dense layer's o_proj and FFN down each take the residual
+    norm after them into their launch: two kernels fewer per layer."""
+    import decode
+
+    import custom_kernels
+
+    cfg = decode._tiny(**_KERNEL_SHAPES)
+    base = graph_count.step_counts(cfg, 40)["body"]
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "matvec_norm")
+    fused = graph_count.step_counts(cfg, 40)["body"]
+    layers = cfg.num_hidden_layers
+    assert base["CustomKernel"] - fused["CustomKernel"] == 2 * layers
+    assert sum(base.values()) - sum(fused.values()) == 2 * layers
