@@ -51,7 +51,7 @@ __device__ __forceinline__ void g4_ldcg4(const __nv_bfloat16* p, float* o) {
 """
 
 _TICKET = r"""
-  // ticket: the grid's last threadgroup applies the residual norm to the finished row
+  // ticket: the grid's last thread block applies the residual norm to the finished row
   __shared__ int g4_last;
   __threadfence();
   $barrier;
