@@ -994,20 +994,29 @@ def _problem(rng, q_dtype, kv_dtype, B, n_q, n_kv, M, D, positions, q_positions,
                     window, n_slots, in_dtypes)  # fmt: skip
 
 
-def _partial_case(rng, q_dtype, kv_dtype, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, cfg):
+def _partial_case(rng, q_dtype, kv_dtype, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, cfg,
+                  fused: bool = False):  # fmt: skip
+    """A case of the partial kernel, or with ``fused`` of the one-launch kernel (its counters in,
+    the merged output out)."""
     from .registry import KernelCase
 
     pr = _problem(rng, q_dtype, kv_dtype, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots)
     S = len(positions)
-    plan = plan_decode(B, n_q, n_kv, M, S, D, q_dtype, kv_dtype, window, cfg, "metal")
+    plan = plan_decode(B, n_q, n_kv, M, S, D, q_dtype, kv_dtype, window, cfg, "cuda" if fused else "metal")
     ml, acc = partials_f64(pr.q64, pr.k64, pr.v64, pr.positions, pr.q_positions, window, n_slots, plan.parts,
                            cfg.min_chunk, cfg.tile)  # fmt: skip
+    inputs = {"q": pr.q, "k": pr.k, "v": pr.v, "kpos": pr.positions, "qpos": pr.q_positions,
+              "n_slots": np.array([n_slots], np.int32)}  # fmt: skip
+    shapes, dtypes, expected = list(plan.partial_shapes), ["float32", "float32"], [ml, acc]
+    if fused:
+        inputs["counters"] = np.zeros(ATTENTION_COUNTER_WORDS, np.uint32)
+        shapes.append(plan.out_shape)
+        dtypes.append(q_dtype)
+        expected.append(merge_f64(ml, acc, n_slots, cfg.min_chunk, cfg.tile).reshape(plan.out_shape))
     return KernelCase(
-        inputs={"q": pr.q, "k": pr.k, "v": pr.v, "kpos": pr.positions, "qpos": pr.q_positions,
-                "n_slots": np.array([n_slots], np.int32)},
-        template=plan.partial_template, grid=plan.partial_grid, threadgroup=plan.partial_threadgroup,
-        output_shapes=plan.partial_shapes, output_dtypes=["float32", "float32"], expected=[ml, acc],
-        rtol=2e-5, atol=1e-5, input_dtypes=pr.in_dtypes,
+        inputs=inputs, template=plan.partial_template, grid=plan.partial_grid, threadgroup=plan.partial_threadgroup,
+        output_shapes=shapes, output_dtypes=dtypes, expected=expected,
+        rtol=2e-5 if not fused or q_dtype == "float32" else 2**-8, atol=1e-5, input_dtypes=pr.in_dtypes,
         label=f"q {q_dtype} kv {kv_dtype} B={B} n_q={n_q} n_kv={n_kv} M={M} D={D} S={S} W={window} "
               f"n_slots={n_slots} P={plan.parts} {cfg}",
     )  # fmt: skip
@@ -1032,26 +1041,6 @@ def _merge_case(rng, out_dtype, B, n_q, n_kv, M, D, positions, q_positions, wind
     )  # fmt: skip
 
 
-def _fused_case(rng, q_dtype, kv_dtype, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, cfg):
-    from .registry import KernelCase
-
-    pr = _problem(rng, q_dtype, kv_dtype, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots)
-    S = len(positions)
-    plan = plan_decode(B, n_q, n_kv, M, S, D, q_dtype, kv_dtype, window, cfg, "cuda")
-    ml, acc = partials_f64(pr.q64, pr.k64, pr.v64, pr.positions, pr.q_positions, window, n_slots, plan.parts,
-                           cfg.min_chunk, cfg.tile)  # fmt: skip
-    out = merge_f64(ml, acc, n_slots, cfg.min_chunk, cfg.tile).reshape(plan.out_shape)
-    return KernelCase(
-        inputs={"q": pr.q, "k": pr.k, "v": pr.v, "kpos": pr.positions, "qpos": pr.q_positions,
-                "n_slots": np.array([n_slots], np.int32), "counters": np.zeros(ATTENTION_COUNTER_WORDS, np.uint32)},
-        template=plan.partial_template, grid=plan.partial_grid, threadgroup=plan.partial_threadgroup,
-        output_shapes=[*plan.partial_shapes, plan.out_shape], output_dtypes=["float32", "float32", q_dtype],
-        expected=[ml, acc, out], rtol=2e-5 if q_dtype == "float32" else 2**-8, atol=1e-5, input_dtypes=pr.in_dtypes,
-        label=f"q {q_dtype} kv {kv_dtype} B={B} n_q={n_q} n_kv={n_kv} M={M} D={D} S={S} W={window} "
-              f"n_slots={n_slots} P={plan.parts} {cfg}",
-    )  # fmt: skip
-
-
 def _ring(capacity: int, first: int, last: int, empty=(), future=()) -> np.ndarray:
     """Ring positions: slot p % capacity holds p for p in first..last; ``empty`` slots hold -1 and
     ``future`` slots a position past ``last`` (a rolled-back token)."""
@@ -1065,21 +1054,28 @@ def _ring(capacity: int, first: int, last: int, empty=(), future=()) -> np.ndarr
     return pos
 
 
-def _partial_cases(rng: np.random.Generator):
+def _common_problems() -> list[tuple]:
+    """(q dtype, kv dtype, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, config) of
+    the problems both the partial kernel's and the one-launch kernel's cases run."""
     c = AttentionConfig
     return [
         # sliding ring out of order with empty slots, window edge (W keys incl. self), 3 partitions
         # (8, 8, 4 slots: a partial last one), bf16 cache, f32 q
-        _partial_case(rng, "float32", "bfloat16", 1, 4, 2, 1, 256, _ring(20, 31, 50, empty=(3, 12)), [50], 12, 20,
-                      c(rows=16, simd_groups=2, tile=8, min_chunk=8, target_groups=6)),
-        # full layer: capacity 24 > valid 13 (two idle partitions), M = 3 causal inside the chunk,
+        ("float32", "bfloat16", 1, 4, 2, 1, 256, _ring(20, 31, 50, empty=(3, 12)), [50], 12, 20,
+         c(rows=16, simd_groups=2, tile=8, min_chunk=8, target_groups=6)),
+        # full layer: capacity 24 > valid 13 (an idle partition), M = 3 causal inside the chunk,
         # 12 query rows in tiles of 8 + 4, bf16 q, f32 cache, D = 512
-        _partial_case(rng, "bfloat16", "float32", 1, 4, 1, 3, 512, np.arange(24), [10, 11, 12], None, 13,
-                      c(rows=8, simd_groups=4, tile=8, min_chunk=8, target_groups=8)),
+        ("bfloat16", "float32", 1, 4, 1, 3, 512, np.arange(24), [10, 11, 12], None, 13,
+         c(rows=8, simd_groups=4, tile=8, min_chunk=8, target_groups=8)),
         # G = 8, M = 2, window 5, two sequences, odd capacity 13 with an empty slot and one holding
         # a position past both queries (rolled back), partitions of 8 + 5 slots (D = 256: 8 slots a step)
-        _partial_case(rng, "float32", "float32", 2, 8, 1, 2, 256, _ring(13, 30, 42, empty=(5,), future=(7,)),
-                      [41, 42], 5, 13, c(rows=16, simd_groups=4, tile=8, min_chunk=8, target_groups=8)),
+        ("float32", "float32", 2, 8, 1, 2, 256, _ring(13, 30, 42, empty=(5,), future=(7,)), [41, 42], 5, 13,
+         c(rows=16, simd_groups=4, tile=8, min_chunk=8, target_groups=8)),
+    ]  # fmt: skip
+
+
+def _partial_cases(rng: np.random.Generator):
+    return [_partial_case(rng, *problem) for problem in _common_problems()] + [
         # the Metal defaults: 12B full layer (G = 16) at M = 3 (6 query tiles of 8 rows), 555 of 600
         # slots valid (partitions 256 + 256 + 43); a wrapped 1024-style ring at M = 8
         _partial_case(rng, "bfloat16", "bfloat16", 1, 16, 1, 3, 512, np.where(np.arange(600) < 555, np.arange(600), -1),
@@ -1113,23 +1109,13 @@ def _merge_cases(rng: np.random.Generator):
 
 def _fused_cases(rng: np.random.Generator):
     c = AttentionConfig
-    return [
-        # the sliding ring of the first partial case: 3 partitions (8, 8, 4 slots) per group, 2 groups
-        _fused_case(rng, "float32", "bfloat16", 1, 4, 2, 1, 256, _ring(20, 31, 50, empty=(3, 12)), [50], 12, 20,
-                    c(rows=16, simd_groups=2, tile=8, min_chunk=8, target_groups=6)),
-        # full layer, M = 3: 12 query rows in tiles of 8 + 4 (two groups of one kv head), an idle
-        # partition, bf16 q and output, D = 512
-        _fused_case(rng, "bfloat16", "float32", 1, 4, 1, 3, 512, np.arange(24), [10, 11, 12], None, 13,
-                    c(rows=8, simd_groups=4, tile=8, min_chunk=8, target_groups=8)),
-        # two sequences, G = 8, M = 2, a window of 5 over a ring with an empty and a rolled-back slot
-        _fused_case(rng, "float32", "float32", 2, 8, 1, 2, 256, _ring(13, 30, 42, empty=(5,), future=(7,)),
-                    [41, 42], 5, 13, c(rows=16, simd_groups=4, tile=8, min_chunk=8, target_groups=8)),
+    return [_partial_case(rng, *problem, fused=True) for problem in _common_problems()] + [
         # 37 of 38 partitions active (D = 128, one SIMD group), the CUDA tile of 32 slots
-        _fused_case(rng, "bfloat16", "bfloat16", 1, 2, 1, 1, 128, np.arange(1216), [1183], None, 1184,
-                    c(rows=8, simd_groups=1, tile=32, min_chunk=32, target_groups=38)),
+        _partial_case(rng, "bfloat16", "bfloat16", 1, 2, 1, 1, 128, np.arange(1216), [1183], None, 1184,
+                      c(rows=8, simd_groups=1, tile=32, min_chunk=32, target_groups=38), fused=True),
         # no valid slot: no partition is active, partition 0 writes zeros
-        _fused_case(rng, "bfloat16", "bfloat16", 1, 4, 2, 1, 256, np.arange(64), [0], None, 0,
-                    c(rows=16, simd_groups=2, tile=8, min_chunk=8, target_groups=8)),
+        _partial_case(rng, "bfloat16", "bfloat16", 1, 4, 2, 1, 256, np.arange(64), [0], None, 0,
+                      c(rows=16, simd_groups=2, tile=8, min_chunk=8, target_groups=8), fused=True),
     ]  # fmt: skip
 
 

@@ -381,19 +381,27 @@ def _logits_cases(rng: np.random.Generator):
 
 def _fused_case(rng: np.random.Generator, rows: int, e: int, h: int, k: int):
     """route_logits (f32) against float64: the logits and, from them, the weights and indices."""
-    from .registry import KernelCase
-
     x = rng.standard_normal((rows, h)).astype(np.float32)
     w = (rng.standard_normal((e, h)) * 0.1).astype(np.float32)
     scale = rng.uniform(0.5, 2.0, e).astype(np.float32)
     logits = x.astype(np.float64) @ w.astype(np.float64).T
+    return _fused_kernel_case(x, w, scale, logits, "float32", k, 1e-5, 1e-5)
+
+
+def _fused_kernel_case(x, w, scale, logits, dtype: str, k: int, rtol: float, atol: float):
+    """The KernelCase of one route_logits launch over x [rows, H] and w [E, H] (f32 values or bf16
+    bits), its expectations from the float64 logits."""
+    from .registry import KernelCase
+
+    (rows, h), e = x.shape, w.shape[0]
     wts, idx = route_f64(logits, scale, k)
     return KernelCase(
         inputs={"x": x, "w": w, "scale": scale, "counters": np.zeros(ROUTER_COUNTER_WORDS, np.uint32)},
-        template=_fused_template("float32", "float32", h, e, k), grid=(32 * _LOGITS_NSG * -(-e // _LOGITS_NSG), rows, 1),
+        template=_fused_template(dtype, "float32", h, e, k), grid=(32 * _LOGITS_NSG * -(-e // _LOGITS_NSG), rows, 1),
         threadgroup=(32 * _LOGITS_NSG, 1, 1), output_shapes=[(rows, e), (rows, k), (rows, k)],
-        output_dtypes=["float32", "float32", "int32"], expected=[logits, wts, idx.astype(np.float64)],
-        rtol=1e-5, atol=1e-5, label=f"rows={rows} E={e} H={h} k={k} float32",
+        output_dtypes=[dtype, "float32", "int32"], expected=[logits, wts, idx.astype(np.float64)], rtol=rtol,
+        atol=atol, input_dtypes={"x": dtype, "w": dtype} if dtype == "bfloat16" else {},
+        label=f"rows={rows} E={e} H={h} k={k} {dtype}",
     )  # fmt: skip
 
 
@@ -401,7 +409,7 @@ def _fused_case_bf16(rng: np.random.Generator, rows: int, e: int, h: int, k: int
     """route_logits in bf16: each expert's row is x's direction times a distinct target logit
     (spaced ~10 bf16 steps apart), so the bf16 rounding cannot reorder the experts; checked within
     2% (the weights move with the logits' rounding; the indices, below 50, must be exact)."""
-    from .registry import KernelCase, bf16_to_f32, f32_to_bf16
+    from .registry import bf16_to_f32, f32_to_bf16
 
     x = rng.standard_normal((rows, h)).astype(np.float32)
     target = rng.permutation(np.linspace(-2.0, 2.0, e))
@@ -410,15 +418,7 @@ def _fused_case_bf16(rng: np.random.Generator, rows: int, e: int, h: int, k: int
     xb, wb = f32_to_bf16(x), f32_to_bf16(w.astype(np.float32))
     logits = bf16_to_f32(xb).astype(np.float64) @ bf16_to_f32(wb).astype(np.float64).T
     scale = rng.uniform(0.5, 2.0, e).astype(np.float32)
-    wts, idx = route_f64(logits, scale, k)
-    return KernelCase(
-        inputs={"x": xb, "w": wb, "scale": scale, "counters": np.zeros(ROUTER_COUNTER_WORDS, np.uint32)},
-        template=_fused_template("bfloat16", "float32", h, e, k), grid=(32 * _LOGITS_NSG * -(-e // _LOGITS_NSG), rows, 1),
-        threadgroup=(32 * _LOGITS_NSG, 1, 1), output_shapes=[(rows, e), (rows, k), (rows, k)],
-        output_dtypes=["bfloat16", "float32", "int32"], expected=[logits, wts, idx.astype(np.float64)],
-        rtol=2e-2, atol=1e-2, input_dtypes={"x": "bfloat16", "w": "bfloat16"},
-        label=f"rows={rows} E={e} H={h} k={k} bfloat16",
-    )  # fmt: skip
+    return _fused_kernel_case(xb, wb, scale, logits, "bfloat16", k, 2e-2, 1e-2)
 
 
 def _fused_cases(rng: np.random.Generator):
