@@ -10,6 +10,7 @@ slot indices, and a ring may hold its slots in any order.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from .config import ModelConfig
 
@@ -179,6 +180,18 @@ def write_slots(buffer: mx.array, update: mx.array, slots: mx.array) -> mx.array
     return mx.put_along_axis(buffer, slots.reshape(1, 1, -1, 1), update, axis=2)
 
 
+_IOTA: dict[int, mx.array] = {}
+
+
+def iota(n: int) -> mx.array:
+    """int32 [n] = 0..n-1, made once per n from host memory: in a compiled decode step a constant,
+    not an Arange node evaluated every step (every graph node costs host time per token)."""
+    a = _IOTA.get(n)
+    if a is None:
+        a = _IOTA[n] = mx.array(np.arange(n, dtype=np.int32))
+    return a
+
+
 class StepPosition:
     """The positions every static cache of one decode step holds before it (all layers advance
     together), and what derives from it: computed once per step and shared by the layers instead
@@ -195,7 +208,7 @@ class StepPosition:
 
     def slots(self, t: int) -> mx.array:
         """int32 [t]: the slots (= positions) of this step's t tokens in a full cache."""
-        return self._once(("slots", t), lambda: self.offset + mx.arange(t, dtype=mx.int32))
+        return self._once(("slots", t), lambda: self.offset + iota(t))
 
     def advanced(self, t: int) -> "StepPosition":
         """The next step's position (one object for every cache, so they keep sharing)."""
@@ -204,7 +217,7 @@ class StepPosition:
     def valid(self, capacity: int) -> mx.array:
         """int32 [capacity]: slot s of a full cache holds position s if s < offset, else -1."""
         def compute():
-            slots = mx.arange(capacity, dtype=mx.int32)
+            slots = iota(capacity)
             return mx.where(slots < self.offset, slots, -1)
 
         return self._once(("valid", capacity), compute)
@@ -217,7 +230,7 @@ class StepPosition:
         (rollback is bounded by the slack), so the mask is unchanged."""
 
         def compute():
-            slots = mx.arange(capacity, dtype=mx.int32)
+            slots = iota(capacity)
             latest = self.offset - (self.offset - slots) % capacity
             return (self.offset % capacity).reshape(1), mx.where(latest >= 0, latest, -1)
 

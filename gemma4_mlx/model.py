@@ -404,12 +404,14 @@ class TextModel(nn.Module):
 
     def __call__(self, tokens, cache=None, hidden_states: list | None = None):
         B, T = tokens.shape
-        offset = next((c.offset for c in (cache or []) if c is not None), 0)
+        first = next((c for c in (cache or []) if c is not None), None)
+        offset = 0 if first is None else first.offset
         h = self.embed(tokens)
         if hidden_states is not None:
             hidden_states.append(h)
         ple = self.per_layer_inputs(tokens, h) if self.cfg.hidden_size_per_layer_input else None
-        q_pos = offset + mx.arange(T, dtype=mx.int32)  # offset: int, or an int32 array in a compiled step
+        step = getattr(first, "step", None)  # a compiled step's shared positions (cache.StepPosition)
+        q_pos = step.slots(T) if step is not None else offset + mx.arange(T, dtype=mx.int32)
         masks = {}
 
         def mask_fn(spec: LayerSpec, k_pos: mx.array):

@@ -154,6 +154,7 @@ def test_compiled_step_counts_and_replays(graph_count):
     plain = graph_count.step_counts(cfg, 40)
     assert 0 < doc["compiled_total"] < sum(plain["with_head"].values())
     assert doc["compiled"]["CustomKernel"] >= 7 * cfg.num_hidden_layers and "Transpose" not in doc["compiled"]
+    assert "Arange" not in doc["compiled"]  # slot indices are constants (cache.iota), q_pos the caches' slots
     assert doc["replay_us"] > 0
 
 
