@@ -761,9 +761,13 @@ def _slots_array(n_slots, slots: int) -> mx.array:
 
 def fused_supported(plan: DecodePlan) -> bool:
     """True when a call with this plan may take the one-launch kernel g4_attn_decode: a CUDA build,
-    a merge of at most FUSED_MERGE_BYTES per group and a counter word for each group."""
+    a merge of at most FUSED_MERGE_BYTES per group, a counter word for each group, and the partial
+    kernel's threadgroup memory plus the merge's within the CUDA limit."""
     groups = plan.partial_grid[0] // plan.partial_threadgroup[0] * plan.partial_grid[2]
-    return backend() == "cuda" and plan.merge_bytes <= FUSED_MERGE_BYTES and groups <= ATTENTION_COUNTER_WORDS
+    head_dim = dict(plan.partial_template)["D"]
+    shared = plan.shared_bytes + 8 * (FUSED_MERGE_BYTES // 4 // head_dim) + 4  # the merge's (m, l) arrays, the flag
+    return (backend() == "cuda" and plan.merge_bytes <= FUSED_MERGE_BYTES and groups <= ATTENTION_COUNTER_WORDS
+            and shared <= _SHARED_LIMIT["cuda"])  # fmt: skip
 
 
 def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,

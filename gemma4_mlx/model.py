@@ -19,10 +19,10 @@ from custom_kernels.matvec_norm import matvec_norm_supported, matvec_residual_no
 from custom_kernels.norm import residual_norm, residual_norm_moe, residual_norm_moe_out, residual_norm_reference
 from custom_kernels.quant_matvec import gelu_tanh
 from custom_kernels.rope import inverse_frequencies, norm_rope
-from custom_kernels.router import new_router_counters, route, route_logits, router_logits
+from custom_kernels.router import new_router_counters, route, route_logits, route_logits_supported, router_logits
 
 from . import cpu_matvec
-from .cache import StaticKVCache, StaticRotatingKVCache
+from .cache import StaticKVCache, StaticRotatingKVCache, StepPosition
 from .config import LayerSpec, ModelConfig
 
 
@@ -255,7 +255,8 @@ class Router(nn.Module):
         """(weights [..., k] fp32, indices [..., k]) from the normed input r."""
         proj = self.proj
         plain = type(proj) is nn.Linear and "bias" not in proj
-        if plain and use_kernel("router_fused") and use_kernel("router"):  # projection and route, one launch
+        fused = plain and use_kernel("router_fused") and use_kernel("router")
+        if fused and route_logits_supported(r, proj.weight, self.top_k):  # projection and route, one launch
             return route_logits(r, proj.weight, self.per_expert_scale, self.top_k, self._counters)
         if use_kernel("router_proj") and plain:
             logits = router_logits(r, proj.weight)  # one launch, no view nodes (custom_kernels.router)
@@ -410,8 +411,8 @@ class TextModel(nn.Module):
         if hidden_states is not None:
             hidden_states.append(h)
         ple = self.per_layer_inputs(tokens, h) if self.cfg.hidden_size_per_layer_input else None
-        step = getattr(first, "step", None)  # a compiled step's shared positions (cache.StepPosition)
-        q_pos = step.slots(T) if step is not None else offset + mx.arange(T, dtype=mx.int32)
+        step = getattr(first, "step", None)  # a compiled step's shared positions (KVCache.step is its growth chunk)
+        q_pos = step.slots(T) if isinstance(step, StepPosition) else offset + mx.arange(T, dtype=mx.int32)
         masks = {}
 
         def mask_fn(spec: LayerSpec, k_pos: mx.array):

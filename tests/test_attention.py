@@ -435,6 +435,10 @@ def test_fused_launch_rule(monkeypatch):
     for D, G, n_kv in fulls:
         for M in range(1, 9):
             assert not at.fused_supported(plan(D, G, n_kv, M, 4096, None))
+    # a geometry whose partial kernel leaves no room for the merge's threadgroup arrays
+    tight = at.AttentionConfig(rows=64, simd_groups=1, tile=56, min_chunk=56, target_groups=8)
+    p = at.plan_decode(1, 64, 1, 1, 112, 128, "bfloat16", "bfloat16", None, tight, "cuda")
+    assert p.merge_bytes <= at.FUSED_MERGE_BYTES and not at.fused_supported(p)
     monkeypatch.setattr(at, "backend", lambda: "metal")
     assert not at.fused_supported(plan(256, 2, 16, 1, 1056, 1024))
 

@@ -237,6 +237,7 @@ def test_fused_kernel_rows_without_keys_and_empty_cache():
     rng = np.random.default_rng(25)
     counters = at.new_attention_counters()
     args, want, bound = _problem(rng, 1, 8, 2, 2, 256, _ring(64, 40), [40, 200], 16, mx.float32)
+    assert at.fused_supported(at.plan_decode(1, 8, 2, 2, 64, 256, "float32", "float32", 16))
     out = at.launch_decode_attention(*args, 16, init_value=NAN, counters=counters)
     _check(out, want, bound, mx.float32, "fused, row past the window")
     assert float(mx.abs(out[:, :, 1]).max()) == 0.0

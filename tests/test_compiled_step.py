@@ -143,3 +143,26 @@ def test_static_caches_share_one_step_position():
     fulls[1].update(*kv)
     with pytest.raises(ValueError, match="different numbers of positions"):
         make_static([fulls[0], fulls[1]], capacity=16)
+
+
+def test_first_layer_full_attention_prefill_and_decode():
+    """A model whose first layer is a full-attention one (its growing KVCache has an int `step`,
+    its growth chunk, not a StepPosition): prefill, eager decode and the compiled step agree."""
+    from gemma4_mlx.config import FULL, SLIDING, ModelConfig
+    from gemma4_mlx.model import Model
+
+    cfg = ModelConfig(hidden_size=64, num_hidden_layers=3, intermediate_size=128, num_attention_heads=2,
+                      num_key_value_heads=1, layer_types=[FULL, SLIDING, FULL], vocab_size=64, head_dim=32,
+                      global_head_dim=32, sliding_window=8, max_position_embeddings=256)  # fmt: skip
+    mx.random.seed(0)
+    model = Model(cfg)
+    prompt = mx.array([[1, 5, 9, 2, 7, 3]], dtype=mx.int32)
+    eager, compiled_cache = make_cache(cfg), make_cache(cfg)
+    mx.eval(model(prompt, eager), model(prompt, compiled_cache))
+    decoder = CompiledDecoder(model, compiled_cache, 64)
+    token = mx.array([[4]], dtype=mx.int32)
+    for _ in range(3):
+        want = model(token, eager)[:, -1, :]
+        got = decoder(token)
+        assert np.allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+        token = mx.argmax(want, axis=-1).reshape(1, 1).astype(mx.int32)

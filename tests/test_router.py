@@ -190,8 +190,9 @@ def test_route_logits_falls_back_and_checks_counters(monkeypatch):
 
 
 def test_router_with_router_fused_wiring(monkeypatch):
-    """Family "router_fused" routes a Router through route_logits (here its two-op fallback), to
-    the experts of the default path."""
+    """Family "router_fused" routes a Router through route_logits where that runs in one launch
+    (here its two-op fallback stands in), to the experts of the default path; elsewhere the Router
+    keeps its router_proj / MLX path."""
     from gemma4_mlx import model as model_module
     from gemma4_mlx.model import Router
 
@@ -206,6 +207,9 @@ def test_router_with_router_fused_wiring(monkeypatch):
     calls = []
     monkeypatch.setattr(model_module, "route_logits", lambda *a: calls.append(a[4]) or rt.route_logits(*a))
     monkeypatch.setattr(model_module, "use_kernel", lambda family: family in ("router_fused", "router"))
+    router(h)
+    assert not calls  # a call route_logits would not run in one launch keeps the Router's own path
+    monkeypatch.setattr(model_module, "route_logits_supported", lambda *a: True)
     got = router(h)
     assert len(calls) == 1 and calls[0] is router._counters
     for t in range(4):  # the MLX path's top-k comes unordered
