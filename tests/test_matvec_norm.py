@@ -23,15 +23,25 @@ def _inputs(rng, n, k, dtype=mx.bfloat16, rows=1):
 
 
 def test_fallback_is_the_two_ops():
-    """Where the one launch does not apply (here: no GPU), the op is quant_matvec then residual_norm."""
+    """Where the one launch does not apply (here: no GPU), the op is quant_matvec then residual_norm:
+    against a float64 dequantize-then-matmul and the norm module's numpy oracle, with the layer
+    scalar and the next norm, and without the next norm."""
     rng = np.random.default_rng(0)
-    blocks = mx.array(qm.random_blocks(rng, qm.Q4_0, (64,), 256))
-    y, h, w = _inputs(rng, 64, 256)
-    scale = mx.array([0.5], dtype=mx.bfloat16)
+    wq = qm.random_blocks(rng, qm.Q4_0, (64,), 256)
+    blocks = mx.array(wq)
+    y, h, w = _inputs(rng, 64, 256, dtype=mx.float32)
+    w_next = mx.array((1 + 0.3 * rng.standard_normal(64)).astype(np.float32))
+    scale = mx.array([0.5], dtype=mx.float32)
     counters = mn.new_matvec_norm_counters()
-    got = mn.matvec_residual_norm(y, blocks, qm.Q4_0, 64, h, w, w, 1e-6, scale, counters)
-    want = norm.residual_norm(h, qm.quant_matvec(y, blocks, qm.Q4_0, 64), w, w, 1e-6, scale)
-    assert all(mx.array_equal(g, v).item() for g, v in zip(got, want))
+    a = (np.array(y).astype(np.float64) @ qm.dequantize_f64(wq, qm.Q4_0).T).astype(np.float32)
+    for nxt in (w_next, None):
+        out, x = mn.matvec_residual_norm(y, blocks, qm.Q4_0, 64, h, w, nxt, 1e-6, scale, counters)
+        want_out, want_x = norm.residual_norm_np(np.array(h), a, np.array(w), None if nxt is None else np.array(nxt),
+                                                 1e-6, 0.5)  # fmt: skip
+        assert np.allclose(np.array(out), want_out, rtol=1e-4, atol=1e-4)
+        assert (x is None) == (nxt is None)
+        if nxt is not None:
+            assert np.allclose(np.array(x), want_x, rtol=1e-4, atol=1e-4)
     assert not np.array(counters).any()
 
 
