@@ -109,14 +109,17 @@ CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "qu
                        "router_fused", "attention_fused"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"matvec_norm"})
+OPT_IN = frozenset({"matvec_norm", "quant_matvec_tiles"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
 "matvec_norm" (a one-token Q4_0 / Q8_0 split-K projection and the residual norm after it in one
 launch, custom_kernels.matvec_norm, CUDA only): passed its registry cases, operator tests,
 compute-sanitizer and the model tests in session 22, but lost on the GPU: 33 launches fewer per
 12 E4B layers and 0.11 ms less of other ops, yet its kernels took 0.33 ms more (the grid's last
 block normalizing the row alone, and 96 registers at E4B's width), so E4B at 4K read 206.0 against
-212.7 tok/s in one process (bench/NOTES.md)."""
+212.7 tok/s in one process (bench/NOTES.md);
+"quant_matvec_tiles" (1..8 bf16 tokens with Q4_0 dense rows or a dense gate|up, 16 whole rows per
+threadgroup copied front to back, custom_kernels.quant_tiles, CUDA on Hopper only): written in
+session 23, not yet run on a GPU."""
 
 FAMILIES = PROVEN | OPT_IN
 """Every op family the model can use."""

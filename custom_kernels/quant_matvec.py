@@ -2528,6 +2528,13 @@ def _use_runs(x_dtype: mx.Dtype, k: int, family: str) -> bool:
     return backend() == "cuda" and runs_supported(x_dtype, k) and use_kernel(family) and _arch_at_least(arch)
 
 
+def _use_tiles(x_dtype: mx.Dtype, k: int) -> bool:
+    """A tiles kernel (custom_kernels.quant_tiles) for this Q4_0 call of 1..8 tokens? Family
+    "quant_matvec_tiles" on, CUDA on Hopper, bf16 x, K a multiple of 256 whose tile fits."""
+    return (backend() == "cuda" and use_kernel("quant_matvec_tiles") and _arch_at_least(BULK_ARCH)
+            and _tiles.tiles_supported(x_dtype, k))  # fmt: skip
+
+
 def launch_dense_runs(x: mx.array, blocks: mx.array, n: int, config: RunsConfig | None = None,
                       init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
     """CUDA runs kernel, Q4_0: bf16 x [..., K] holding one token @ blocks [N, ...].T -> [1, N] (or
@@ -2575,6 +2582,8 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
     # every dense kernel reads K from x's last dimension and writes its rows flat: x goes in
     # unreshaped and the output comes out in the caller's shape (no reshape nodes)
     out_shape = (*x.shape[:-1], n)
+    if route == "tiles":
+        return _tiles.launch_dense_tiles(x, blocks, n, out_shape=out_shape)
     if route == "runs":
         return launch_dense_runs(x, blocks, n, out_shape=out_shape)
     if route == "runs_m":
@@ -2587,12 +2596,14 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
 
 
 def _dense_route(x: mx.array, ggml_type: int, n: int) -> str:
-    """What quant_matvec runs for x [..., K]: "reference" (kernels off, or not 1..8 rows), "runs",
-    "runs_m", "stream", "mma" (Q4_0 on CUDA) or "fma" (the f32-FMA dense kernel: every type, both
+    """What quant_matvec runs for x [..., K]: "reference" (kernels off, or not 1..8 rows), "tiles",
+    "runs", "runs_m", "stream", "mma" (Q4_0 on CUDA) or "fma" (the f32-FMA dense kernel: every type, both
     backends)."""
     k, m = x.shape[-1], math.prod(x.shape[:-1])
     if not use_kernel("quant_matvec") or not 1 <= m <= MAX_ROWS:
         return "reference"
+    if ggml_type == Q4_0 and _use_tiles(x.dtype, k):
+        return "tiles"
     if ggml_type == Q4_0 and m == 1 and _use_runs(x.dtype, k, "quant_matvec_runs") and dense_runs_wide(n, k):
         return "runs"
     if ggml_type == Q4_0 and m > 1 and _use_runs(x.dtype, k, "quant_matvec_runs_m"):
@@ -2623,7 +2634,8 @@ def quant_matvec_gelu_mul(x: mx.array, blocks: mx.array, ggml_type: int, n: int,
 def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: mx.array | None = None) -> mx.array:
     """Dense fused gate/up (an MLP's gate_proj and up_proj stored as one matrix): x [..., K],
     Q4_0 / Q8_0 blocks [2F, ...] whose rows 0..F-1 are gate and F..2F-1 up -> gelu_tanh(gate) * up
-    [..., F] in x.dtype. One row on a GPU: the expert gate/up kernel with the matrix as the only
+    [..., F] in x.dtype. With family quant_matvec_tiles on (opt-in), 1..8 bf16 tokens with Q4_0
+    blocks on Hopper take its kernel (custom_kernels.quant_tiles). One row on a GPU: the expert gate/up kernel with the matrix as the only
     expert (one launch, f32 product rounded once), split K on CUDA (H200 31B step: 97 -> 82 us
     against the stream kernel); for Q4_0 on CUDA with bf16 x and K a multiple of 256 the runs
     kernel instead (family gate_up_runs; its staged 16-row form: 31B 102 -> 62 us, E4B 37-45 ->
@@ -2642,6 +2654,8 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
     m = math.prod(lead)
     if not use_kernel("quant_matvec") or not 1 <= m <= MAX_ROWS:
         return gate_up_reference(x, blocks, ggml_type, f)
+    if ggml_type == Q4_0 and _use_tiles(x.dtype, k):
+        return _tiles.launch_gate_up_tiles(x, blocks, f, out_shape=(*lead, f))
     if m > 1 and ggml_type == Q4_0 and _use_runs(x.dtype, k, "quant_matvec_runs_m"):
         return launch_gate_up_runs_m(x, blocks, f, out_shape=(*lead, f))
     if m > 1:
@@ -3138,3 +3152,6 @@ def kernel_specs():
             specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs,
                                     _gelu_mul_cases(ggml_type, k_split)))  # fmt: skip
     return specs
+
+
+from . import quant_tiles as _tiles  # noqa: E402  (imports this module)

@@ -471,6 +471,69 @@ def test_q4_0_runs_m_kernels(n, k):
 
 
 @pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
+@pytest.mark.parametrize("n,k", [(2048, 5376), (1003, 2560), (77, 8192), (40, 256), (300, 768)])
+def test_q4_0_tiles_kernels(n, k):
+    """The tiles kernels (custom_kernels.quant_tiles, dense and gate|up) at M = 1, 2, 5, 8 (x with
+    lead dims too) and every warp count, on aligned blocks and x and on blocks and x that start 2
+    bytes past a 16-byte boundary (the 2-byte copy and x fallbacks); outputs poisoned first; bit
+    for bit run to run."""
+    from custom_kernels import quant_tiles as qt
+
+    rng = np.random.default_rng(53)
+    raw = qm.random_blocks(rng, qm.Q4_0, (n,), k)
+    w64 = qm.dequantize_f64(raw, qm.Q4_0)
+    f = n // 2
+    blocks, blocks_gu = mx.array(raw), mx.array(raw[: 2 * f])
+    for m, lead in ((1, (1,)), (2, (2,)), (5, (5,)), (8, (2, 4))):
+        x, x64 = _acts(rng, (*lead, k), mx.bfloat16)
+        x64 = x64.reshape(m, k)
+        want, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+        gu_want, gu_bound = _gelu_times(want[:, : 2 * f], bound[:, : 2 * f], f)
+        x_off = _misaligned_bf16(x, 2)
+        for cfg in (qt.TilesConfig(1), qt.TilesConfig(2), qt.TilesConfig(4), qt.TilesConfig(8)):
+            for what, xx, bb, bb2 in (("aligned", x, blocks, blocks_gu),
+                                      ("misaligned", x_off, _misaligned(raw, 2), _misaligned(raw[: 2 * f], 2))):  # fmt: skip
+                out = qt.launch_dense_tiles(xx, bb, n, cfg, init_value=NAN)
+                assert out.shape == (m, n) and out.dtype == mx.bfloat16
+                _check(out, want, bound, mx.bfloat16, f"tiles dense {what} M={m} N={n} K={k} {cfg}")
+                gu = qt.launch_gate_up_tiles(xx, bb2, f, cfg, init_value=NAN)
+                assert gu.shape == (m, f)
+                _check(gu, gu_want, gu_bound, mx.bfloat16, f"tiles gate_up {what} M={m} F={f} K={k} {cfg}")
+            for again in (lambda: qt.launch_dense_tiles(x, blocks, n, cfg), lambda: qt.launch_gate_up_tiles(x, blocks_gu, f, cfg),
+                          lambda: qt.launch_dense_tiles(x_off, _misaligned(raw, 2), n, cfg)):  # fmt: skip
+                assert mx.array_equal(again(), again()).item(), cfg
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
+def test_q4_0_tiles_dispatch(monkeypatch):
+    """With family quant_matvec_tiles opted in, 1..8 bf16 tokens with Q4_0 blocks (dense and
+    gate|up) go to the tiles kernels and stay as accurate as the reference bound."""
+    from custom_kernels import quant_tiles as qt
+
+    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "quant_matvec_tiles")
+    launched = []
+    for name in ("launch_dense_tiles", "launch_gate_up_tiles"):
+        real = getattr(qt, name)
+        monkeypatch.setattr(qt, name, lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw))
+    rng = np.random.default_rng(59)
+    raw = qm.random_blocks(rng, qm.Q4_0, (300,), 1024)
+    w64 = qm.dequantize_f64(raw, qm.Q4_0)
+    for shape in ((1, 1024), (1, 1, 1024), (2, 1024), (1, 3, 1024), (8, 1024)):
+        launched.clear()
+        x, x64 = _acts(rng, shape, mx.bfloat16)
+        x64 = x64.reshape(-1, 1024)
+        out = qm.q4_0_matvec(x, mx.array(raw), 300)
+        assert out.shape == (*shape[:-1], 300)
+        _check(out.reshape(-1, 300), x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, mx.bfloat16, f"dispatch {shape}")
+        gu = qm.gate_up(x, mx.array(raw), qm.Q4_0, 150)
+        assert gu.shape == (*shape[:-1], 150)
+        g_want, g_bound = _gelu_times(x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, 150)
+        _check(gu.reshape(-1, 150), g_want, g_bound, mx.bfloat16, f"gate_up dispatch {shape}")
+        assert launched == ["launch_dense_tiles", "launch_gate_up_tiles"], shape
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
 def test_q4_0_runs_m_dispatch(monkeypatch):
     """With family quant_matvec_runs_m on (a CUDA default), 2..8 bf16 tokens with Q4_0 blocks (dense
     and gate|up) go to the runs16m kernels and stay as accurate as the reference bound."""

@@ -1,0 +1,289 @@
+"""Q4_0 dense rows and dense gate|up for 1..8 bf16 tokens, whole rows at a time (CUDA, Hopper).
+
+    out = launch_dense_tiles(x, blocks, n)      # x [..., K] @ W[N, K].T -> [..., N]
+    gu = launch_gate_up_tiles(x, blocks, f)     # gelu_tanh(x @ W[:F].T) * (x @ W[F:].T) -> [..., F]
+
+Op family "quant_matvec_tiles". Kernels ``g4_q4_0_matvec_tiles`` / ``g4_q4_0_gate_up_tiles``: a
+threadgroup takes a tile of 16 weight rows (dense: 16 consecutive rows; gate|up: 8 gate rows and the
+8 up rows of the same outputs) and copies them *whole* into shared memory: one bulk copy
+(cp.async.bulk) per row, so the tile's bytes are one contiguous stretch of the tensor (two for
+gate|up), and the threadgroups, scheduled in index order, read the weights front to back. Its NW
+warps then take the tile's 256-weight steps in turn (warp w: steps w, w + NW, ...) with the
+runs16m kernels' tensor-core arithmetic (tokens are mma's 8 columns, rows g and g + 8 its A rows),
+and the warps' partial sums are added in warp order.
+
+Why (bench/NOTES.md, session 23): the decode step runs its projections one call at a time, and
+one call at a time the read order decides the rate. On the 31B FFN gate's 65 MB a read probe in
+grid-stride order reaches 86% of copy alone, one warp reading its 4 rows front to back 75%, while
+the runs16 kernels, whose warps each walk 16 rows 288 bytes at a time (every warp in its own part
+of the tensor, the whole grid one wave), read at 53% (32 us for 22 us back to back).
+
+Shared memory: the tile's 16 rows at a stride of an odd number of 16-byte words (the row's bytes,
+plus 16 when they are an even number of words), so that lane (g, t)'s 4-byte reads of rows g = 0..7
+fall in distinct banks. K must be a multiple of 256 (row bytes a multiple of 16 for the bulk copies);
+rows or x off alignment take 2-byte loads (the copy by every thread, then a barrier).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from . import backend, geometry_fields, replace_geometry
+from . import quant_matvec as qm
+from .dialect import prelude
+
+__all__ = ["TilesConfig", "default_tiles_config", "tiles_supported", "tiles_row_stride", "tiles_shared_bytes",
+           "plan_tiles", "launch_dense_tiles", "launch_gate_up_tiles", "kernel_specs", "TILES_SHARED_LIMIT"]  # fmt: skip
+
+TILES_SHARED_LIMIT = 110 * 1024
+"""Dynamic shared memory of one tile at most (two threadgroups per SM at least): K <= 12,288 (the
+31B FFN down, K = 21504, keeps the runs kernels)."""
+
+TILES_GEOMETRY_ENV = "GEMMA4_MLX_TILES_GEOMETRY"
+"""TilesConfig fields over the default, e.g. "warps=8" (tuning)."""
+
+
+@dataclass(frozen=True)
+class TilesConfig:
+    """Warps per threadgroup (they split the tile's 256-weight steps)."""
+
+    warps: int = 4
+
+    def __post_init__(self):
+        if type(self.warps) is not int or self.warps not in (1, 2, 4, 8):
+            raise ValueError(f"warps must be 1, 2, 4 or 8, got {self.warps!r}")
+
+
+def default_tiles_config() -> TilesConfig:
+    """TilesConfig() with GEMMA4_MLX_TILES_GEOMETRY's fields over it."""
+    return replace_geometry(TilesConfig(), geometry_fields(TilesConfig(), TILES_GEOMETRY_ENV), TILES_GEOMETRY_ENV)
+
+
+def tiles_row_stride(k: int) -> int:
+    """Bytes from one row of a tile to the next in shared memory: the row's bytes, plus 16 when they
+    are an even number of 16-byte words."""
+    rb = qm.row_bytes(qm.Q4_0, k)
+    return rb if (rb // 16) % 2 else rb + 16
+
+
+def tiles_shared_bytes(k: int) -> int:
+    """Dynamic shared memory of a tiles launch: 16 rows at tiles_row_stride(k)."""
+    return 16 * tiles_row_stride(k)
+
+
+def tiles_supported(x_dtype: mx.Dtype, k: int) -> bool:
+    """True when the tiles kernels take this input: bf16 activations, K a positive multiple of 256
+    whose tile fits TILES_SHARED_LIMIT."""
+    return x_dtype == mx.bfloat16 and k > 0 and k % 256 == 0 and tiles_shared_bytes(k) <= TILES_SHARED_LIMIT
+
+
+_HEADER_CUDA = r"""
+// One 8-block step of lane (g, t) of a tiles warp: rows g (w0, in shared memory) and g + 8 (w0 + 8 RS)
+// against token g's x of the step (xs, global memory, read-only path; zeros when tok is false).
+// A's k pair (2t, 2t + 1) is weights 4t, 4t + 1 of a block half and (2t + 8, 2t + 9) weights 4t + 2,
+// 4t + 3 (qs bytes 4t .. 4t + 3: low nibbles, then high for the second half); B takes x in that
+// order. acc: (row g, token 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
+template <int RS, int XA>
+__device__ __forceinline__ void g4_tiles_step(float (&acc)[4], const uint8_t* w0, const uint8_t* xs, bool tok, int t) {
+  _Pragma("unroll") for (int b = 0; b < 8; ++b) {
+    const uint8_t* p0 = w0 + 18 * b;
+    const uint8_t* p1 = p0 + 8 * RS;
+    // qs bytes 4t .. 4t + 3 sit at 18 b + 2 + 4t: 4-byte aligned for odd b (RS and steps are multiples of 16)
+    const uint32_t q0 = g4_s32_at(p0 + 2 + 4 * t, b & 1), q1 = g4_s32_at(p1 + 2 + 4 * t, b & 1);
+    uint32_t xl0, xl1, xh0, xh1;
+    g4_x8<XA>(xl0, xl1, xs + 64 * b + 8 * t, tok);
+    g4_x8<XA>(xh0, xh1, xs + 64 * b + 32 + 8 * t, tok);
+    const uint32_t l0 = q0 & 0x0F0F0F0Fu, l1 = q1 & 0x0F0F0F0Fu;
+    const uint32_t h0 = (q0 >> 4) & 0x0F0F0F0Fu, h1 = (q1 >> 4) & 0x0F0F0F0Fu;
+    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    g4_mma_bf16(part, g4_q4_pair(l0, 0x4140u), g4_q4_pair(l1, 0x4140u), g4_q4_pair(l0, 0x4342u),
+                g4_q4_pair(l1, 0x4342u), xl0, xl1);
+    g4_mma_bf16(part, g4_q4_pair(h0, 0x4140u), g4_q4_pair(h1, 0x4140u), g4_q4_pair(h0, 0x4342u),
+                g4_q4_pair(h1, 0x4342u), xh0, xh1);
+    const float d0 = g4_half_bits(g4_s16(p0)), d1 = g4_half_bits(g4_s16(p1));
+    acc[0] += d0 * part[0]; acc[1] += d0 * part[1]; acc[2] += d1 * part[2]; acc[3] += d1 * part[3];
+  }
+}
+"""
+
+# Template: T (bfloat16), NW (warps), RS (tiles_row_stride(K)). @GU@: 0 dense (rows 16 b .. 16 b + 15),
+# 1 gate|up (gate rows 8 b .. 8 b + 7 and up rows F + 8 b .. -> gelu_tanh(g) * u).
+_BODY_CUDA = r"""
+  // gemma4-mlx q4_0 tiles kernel (CUDA tensor cores, 1..8 tokens, 16 whole rows per threadgroup)
+  constexpr int GU = @GU@;
+  const int K = x_shape[x_ndim - 1];  // x [..., K]: M = the other dimensions' product, 1..8
+  int M = 1;
+  for (int i = 0; i + 1 < x_ndim; ++i) M *= x_shape[i];
+  const int NR = wq_shape[0];
+  const int N = GU ? NR / 2 : NR;
+  const int row_bytes = wq_shape[1];
+  const int nsteps = K >> 8;          // steps of 8 blocks (256 weights) per row
+  const int lane = (int)(threadIdx.x & 31u);
+  const int warp = (int)(threadIdx.x >> 5);
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int out0 = (int)blockIdx.x * (GU ? 8 : 16);
+  extern __shared__ __align__(16) uint8_t tile_s[];  // 16 rows, RS bytes apart, given at launch
+  __shared__ __align__(8) uint64_t bar_s;
+  __shared__ float part_s[NW][16][8];  // each warp's sums: [tile row][token]
+  // weight row of tile row r (a missing row: row 0, finite, never stored)
+  auto wrow = [&](int r) -> int {
+    const int o = out0 + (GU ? (r & 7) : r);
+    return o < N ? (GU && r >= 8 ? N + o : o) : 0;
+  };
+  if ((reinterpret_cast<uintptr_t>(wq) & 15u) == 0) {
+    const uint32_t bar = g4_shared_addr(&bar_s);
+    if (threadIdx.x == 0) {
+      g4_mbar_init(bar, 1);
+      g4_mbar_init_fence();
+    }
+    __syncthreads();
+    if (warp == 0) {
+      if (lane == 0) g4_mbar_expect_tx(bar, 16u * (uint32_t)row_bytes);
+      __syncwarp();
+      if (lane < 16) {
+        g4_bulk_copy(g4_shared_addr(tile_s) + (uint32_t)(RS * lane), wq + (size_t)wrow(lane) * row_bytes,
+                     (uint32_t)row_bytes, bar);
+      }
+    }
+    g4_mbar_wait(bar, 0u);
+  } else {  // rows off 16-byte alignment: 2-byte loads by every thread
+    const int hw = row_bytes >> 1;
+    for (int i = (int)threadIdx.x; i < 16 * hw; i += 32 * NW) {
+      const int r = i / hw, j = i - r * hw;
+      reinterpret_cast<unsigned short*>(tile_s + RS * r)[j] = (unsigned short)g4_u16(wq + (size_t)wrow(r) * row_bytes + 2 * j);
+    }
+    __syncthreads();
+  }
+  const bool tok = g < M;
+  const uint8_t* xs = reinterpret_cast<const uint8_t*>(x) + (size_t)(tok ? g : 0) * K * 2;
+  const uint8_t* w0 = tile_s + RS * g;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
+    for (int s = warp; s < nsteps; s += NW) g4_tiles_step<RS, 1>(acc, w0 + 144 * s, xs + 512 * s, tok, t);
+  } else {
+    for (int s = warp; s < nsteps; s += NW) g4_tiles_step<RS, 0>(acc, w0 + 144 * s, xs + 512 * s, tok, t);
+  }
+  part_s[warp][g][2 * t] = acc[0];
+  part_s[warp][g][2 * t + 1] = acc[1];
+  part_s[warp][g + 8][2 * t] = acc[2];
+  part_s[warp][g + 8][2 * t + 1] = acc[3];
+  __syncthreads();
+  for (int i = (int)threadIdx.x; i < (GU ? 64 : 128); i += 32 * NW) {
+    const int r = i >> 3, tk = i & 7;  // tile row (gate|up: the gate row; its up row is r + 8), token
+    if (tk < M && out0 + r < N) {
+      float s = part_s[0][r][tk];
+      for (int w = 1; w < NW; ++w) s += part_s[w][r][tk];
+      if (GU) {
+        float u = part_s[0][r + 8][tk];
+        for (int w = 1; w < NW; ++w) u += part_s[w][r + 8][tk];
+        out[(size_t)tk * N + out0 + r] = static_cast<T>(g4_gelu_tanh(s) * u);
+      } else {
+        out[(size_t)tk * N + out0 + r] = static_cast<T>(s);
+      }
+    }
+  }
+"""
+
+
+def _tiles_def(kind: str) -> qm._KernelDef:
+    """The tiles kernel for dense rows or a gate|up."""
+    name = {"dense": "g4_q4_0_matvec_tiles", "gate_up": "g4_q4_0_gate_up_tiles"}[kind]
+    header = (prelude("cuda") + qm._MMA_HEADER_CUDA + qm._RUNS_HEADER_CUDA + qm._RUNS16_HEADER_CUDA
+              + qm._STREAM_CP_ASYNC_CUDA + qm._MBAR_BULK_CUDA + qm._RUNS16M_HEADER_CUDA + _HEADER_CUDA)  # fmt: skip
+    body = _BODY_CUDA.replace("@GU@", "1" if kind == "gate_up" else "0")
+    return qm._KernelDef(name, kind, qm.Q4_0, ("x", "wq"), ("out",), ("T", "NW", "RS"),
+                         {"metal": ("", ""), "cuda": (header, body)})  # fmt: skip
+
+
+_DEFS = {kind: _tiles_def(kind) for kind in ("dense", "gate_up")}
+
+
+def plan_tiles(kind: str, m: int, n: int, k: int, config: TilesConfig | None = None) -> qm.LaunchPlan:
+    """Launch plan of a tiles kernel for m tokens; ``n`` is N (dense) or F (gate_up)."""
+    if kind not in _DEFS:
+        raise ValueError(f"tiles kernels: kind must be 'dense' or 'gate_up', got {kind!r}")
+    if k <= 0 or k % 256:
+        raise ValueError(f"tiles kernels: K={k} is not a positive multiple of 256")
+    if tiles_shared_bytes(k) > TILES_SHARED_LIMIT:
+        raise ValueError(f"tiles kernels: a tile of K={k} needs {tiles_shared_bytes(k)} bytes of shared memory, "
+                         f"over {TILES_SHARED_LIMIT}")  # fmt: skip
+    if n <= 0:
+        raise ValueError(f"tiles kernels: need at least one output row, got {n}")
+    if not 1 <= m <= qm.MAX_ROWS:
+        raise ValueError(f"the tiles kernels take 1..{qm.MAX_ROWS} tokens, got {m}")
+    cfg = config or default_tiles_config()
+    tiles = math.ceil(n / (8 if kind == "gate_up" else 16))
+    threads = 32 * cfg.warps
+    template = [("T", "bfloat16"), ("NW", cfg.warps), ("RS", tiles_row_stride(k))]
+    return qm.LaunchPlan(template, (tiles * threads, 1, 1), (threads, 1, 1), (m, n))
+
+
+def launch_dense_tiles(x: mx.array, blocks: mx.array, n: int, config: TilesConfig | None = None,
+                       init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+    """CUDA tiles kernel, Q4_0: bf16 x [..., K] holding 1..8 tokens @ blocks [N, ...].T -> [M, N]
+    (or out_shape; CUDA builds of compute capability >= 90 only)."""
+    return _launch("dense", x, blocks, n, n, config, init_value, out_shape)
+
+
+def launch_gate_up_tiles(x: mx.array, blocks: mx.array, f: int, config: TilesConfig | None = None,
+                         init_value: float | None = None, out_shape: tuple[int, ...] | None = None) -> mx.array:  # fmt: skip
+    """CUDA tiles kernel for a dense fused gate|up, Q4_0: bf16 x [..., K] holding 1..8 tokens,
+    blocks [2F, ...] (gate rows, then up rows) -> gelu_tanh(gate) * up [M, F] (or out_shape), the
+    f32 product rounded once."""
+    return _launch("gate_up", x, blocks, 2 * f, f, config, init_value, out_shape)
+
+
+def _launch(kind, x, blocks, rows, n, config, init_value, out_shape):
+    qm._need_bf16(x)
+    qm._check_dense(x, blocks, qm.Q4_0, rows)
+    plan = plan_tiles(kind, math.prod(x.shape[:-1]), n, x.shape[-1], config)
+    if backend() != "cuda" or not qm._arch_at_least(qm.BULK_ARCH):
+        raise RuntimeError(f"the tiles kernels need a CUDA GPU of compute capability >= {qm.BULK_ARCH}")
+    return qm._run(_DEFS[kind], [x, blocks], plan, x.dtype, init_value, out_shape, tiles_shared_bytes(x.shape[-1]))
+
+
+# --------------------------------------------------------------------------------------------
+# Compile-test registry (see custom_kernels.registry)
+# --------------------------------------------------------------------------------------------
+
+
+def _case(rng, kind, n, k, config, m=1, lead=None):
+    """A runs-kernel case (custom_kernels.quant_matvec._runs_case: same inputs and expected values)
+    launched as a tiles kernel."""
+    case = qm._runs_case(rng, kind, n, k, qm.RunsMConfig(), m, lead)
+    plan = plan_tiles(kind, m, n, k, config)
+    return dataclasses.replace(case, template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
+                               label=f"tiles M={m} {kind} N={n} K={k} {config}",
+                               cuda_shared_memory=tiles_shared_bytes(k))  # fmt: skip
+
+
+def _cases(kind: str):
+    """Every token count class (1, odd, 8; lead dims), partial last tiles, every warp count, warps
+    without a step (K = 256 at 8 warps), a row stride with padding (K = 2560: 90 words) and without
+    (K = 768, 5376)."""
+
+    def make(rng: np.random.Generator):
+        c = TilesConfig
+        if kind == "dense":
+            return [_case(rng, kind, 37, 5376, c(4), 8), _case(rng, kind, 45, 2560, c(2), 1),
+                    _case(rng, kind, 16, 256, c(8), 3), _case(rng, kind, 130, 768, c(1), 6, (2, 3)),
+                    _case(rng, kind, 9, 2816, c(4), 5)]  # fmt: skip
+        return [_case(rng, kind, 11, 5376, c(4), 8), _case(rng, kind, 13, 512, c(1), 2),
+                _case(rng, kind, 21, 768, c(2), 7, (7, 1)), _case(rng, kind, 70, 2560, c(8), 1),
+                _case(rng, kind, 5, 2816, c(4), 4)]  # fmt: skip
+
+    return make
+
+
+def kernel_specs():
+    """KernelSpecs of the two tiles kernels (CUDA only: no Metal text)."""
+    from .registry import KernelSpec
+
+    return [KernelSpec(d.name, d.input_names, d.output_names, "", "", *d.text["cuda"], _cases(kind))
+            for kind, d in _DEFS.items()]  # fmt: skip

@@ -1,0 +1,85 @@
+"""custom_kernels.quant_tiles on the CPU: launch plans, shared-memory layout, refusals and the
+routing of quant_matvec / gate_up when family quant_matvec_tiles is on (CUDA faked, launches
+stubbed). The kernels themselves run in tests/test_quant_tiles_gpu.py and the registry cases."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import custom_kernels
+from custom_kernels import quant_matvec as qm
+from custom_kernels import quant_tiles as qt
+
+
+def test_row_stride_is_an_odd_number_of_16_byte_words():
+    """Rows of an even number of 16-byte words get 16 bytes of padding, so lane (g, t)'s reads of
+    rows g = 0..7 fall in 8 distinct groups of 4 banks."""
+    for k in range(256, 12289, 256):
+        rb, rs = qm.row_bytes(qm.Q4_0, k), qt.tiles_row_stride(k)
+        assert rs in (rb, rb + 16) and (rs // 16) % 2 == 1 and rs % 16 == 0, k
+        banks = {(g * rs // 4 + t) % 32 for g in range(8) for t in range(4)}
+        assert len(banks) == 32, k
+        assert qt.tiles_shared_bytes(k) == 16 * rs
+    assert qt.tiles_row_stride(5376) == 3024 and qt.tiles_row_stride(8192) == 4624
+
+
+def test_plans_and_refusals(monkeypatch):
+    monkeypatch.delenv(qt.TILES_GEOMETRY_ENV, raising=False)
+    assert qt.default_tiles_config() == qt.TilesConfig(4)
+    plan = qt.plan_tiles("dense", 1, 21504, 5376)
+    assert plan.grid == (1344 * 128, 1, 1) and plan.threadgroup == (128, 1, 1) and plan.output_shape == (1, 21504)
+    assert dict(plan.template) == {"T": "bfloat16", "NW": 4, "RS": 3024}
+    plan = qt.plan_tiles("gate_up", 8, 21504, 5376, qt.TilesConfig(8))
+    assert plan.grid == (2688 * 256, 1, 1) and plan.output_shape == (8, 21504)
+    assert qt.plan_tiles("dense", 3, 17, 256).grid == (2 * 128, 1, 1)  # a partial last tile
+    monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, "warps=8")
+    assert qt.default_tiles_config() == qt.TilesConfig(8)
+    for bad in ("warps=3", "rows=2"):
+        monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, bad)
+        with pytest.raises(ValueError, match=qt.TILES_GEOMETRY_ENV):
+            qt.default_tiles_config()
+    monkeypatch.delenv(qt.TILES_GEOMETRY_ENV)
+    for args, match in ((("dense", 1, 64, 1056), "multiple of 256"), (("dense", 9, 64, 512), "1..8 tokens"),
+                        (("dense", 1, 0, 512), "output row"), (("other", 1, 64, 512), "kind"),
+                        (("dense", 1, 64, 21504), "shared memory")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            qt.plan_tiles(*args)
+    assert qt.tiles_supported(mx.bfloat16, 10240) and not qt.tiles_supported(mx.bfloat16, 21504)
+    assert not qt.tiles_supported(mx.float32, 5376) and not qt.tiles_supported(mx.bfloat16, 1056)
+    with pytest.raises(TypeError, match="bfloat16"):
+        qt.launch_dense_tiles(mx.zeros((1, 512)), mx.zeros((64, 288), mx.uint8), 64)
+    with pytest.raises(RuntimeError, match="compute capability"):  # a CPU build
+        qt.launch_dense_tiles(mx.zeros((1, 512), mx.bfloat16), mx.zeros((64, 288), mx.uint8), 64)
+
+
+def test_routing_on_cuda(monkeypatch):
+    """On an sm_90 CUDA build (faked, launches stubbed) with family quant_matvec_tiles opted in,
+    1..8 bf16 tokens with Q4_0 rows whose tile fits go to the tiles kernels (dense and gate|up);
+    f32 x, K not a multiple of 256, K = 21504 (the tile does not fit) and Q8_0 keep their kernels;
+    without the opt-in nothing goes there."""
+    for env in (qt.TILES_GEOMETRY_ENV, custom_kernels.KERNELS_ENV, custom_kernels.KERNELS_OFF_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(qm, "backend", lambda: "cuda")
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(custom_kernels, "_device_arch", lambda: 90)
+    routed = []
+    for module, name in ((qt, "launch_dense_tiles"), (qt, "launch_gate_up_tiles"), (qm, "launch_dense_runs_m"),
+                         (qm, "launch_gate_up_runs_m"), (qm, "launch_dense_runs"), (qm, "launch_gate_up_runs"),
+                         (qm, "launch_dense_stream"), (qm, "launch_dense_mma"), (qm, "launch_dense"),
+                         (qm, "launch_gate_up")):  # fmt: skip
+        monkeypatch.setattr(module, name, lambda *a, _name=name, **kw: routed.append(_name) or mx.zeros((1,)))
+    cases = (((1, 5376), mx.bfloat16, qm.Q4_0, True), ((8, 5376), mx.bfloat16, qm.Q4_0, True),
+             ((2, 1, 8192), mx.bfloat16, qm.Q4_0, True), ((1, 21504), mx.bfloat16, qm.Q4_0, False),
+             ((1, 5376), mx.float32, qm.Q4_0, False), ((4, 1056), mx.bfloat16, qm.Q4_0, False),
+             ((1, 5376), mx.bfloat16, qm.Q8_0, False))  # fmt: skip
+    for opted in ("", "quant_matvec_tiles"):
+        monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, opted)
+        for shape, dtype, fmt, tiles in cases:
+            blocks = mx.zeros((64, qm.row_bytes(fmt, shape[-1])), mx.uint8)
+            routed.clear()
+            qm.quant_matvec(mx.zeros(shape, dtype), blocks, fmt, 64)
+            assert (routed == ["launch_dense_tiles"]) == (tiles and bool(opted)), (shape, dtype, fmt, opted, routed)
+            routed.clear()
+            qm.gate_up(mx.zeros(shape, dtype), blocks, fmt, 32)
+            assert (routed == ["launch_gate_up_tiles"]) == (tiles and bool(opted)), (shape, dtype, fmt, opted, routed)
