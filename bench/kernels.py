@@ -643,13 +643,13 @@ TILES_SHAPES = [("31B", "ffn_gate/up", "dense", 21504, 5376), ("31B", "attn_q|k|
                 ("E4B", "attn_q|k|v", "dense", 4096, 2560), ("26B-A4B", "attn_q|k|v(s)", "dense", 12288, 2816)]  # fmt: skip
 """(model, tensor, kind, N or F, K) of the tiles comparison: the dense projections of one token
 that the tiles kernels take (K <= 12,288), gate|up fused."""
-TILES_WARPS = (2, 4, 8)
+TILES_CONFIGS = tuple(qt.TilesConfig(w, c) for w, c in ((8, 1), (8, 2), (8, 4), (8, 8), (4, 4)))
 
 
 def tiles_case(model, name, kind, n, k, ms, dtype, quick, on_gpu) -> list[dict]:
     """On rotating Q4_0 sets: what the model runs today (qm.quant_matvec / qm.gate_up: the dispatch,
     family quant_matvec_tiles as the environment leaves it) against the tiles kernels at each of
-    TILES_WARPS, at each M in ms; back to back and serial (GPU time, one call per eval)."""
+    TILES_CONFIGS, at each M in ms; back to back and serial (GPU time, one call per eval)."""
     rows_n = 2 * n if kind == "gate_up" else n
     rb = qm.row_bytes(qm.Q4_0, k)
     weights = [random_blocks(qm.Q4_0, (rows_n,), k) for _ in range(n_sets(rows_n * rb, quick))]
@@ -662,13 +662,13 @@ def tiles_case(model, name, kind, n, k, ms, dtype, quick, on_gpu) -> list[dict]:
         if kind == "gate_up":
             variants = {"dispatch": lambda w: qm.gate_up(x, w, qm.Q4_0, n)}
             if on_gpu and custom_kernels.backend() == "cuda" and qt.tiles_supported(dtype, k):
-                for wp in TILES_WARPS:
-                    variants[f"tiles w{wp}"] = lambda w, c=qt.TilesConfig(wp): qt.launch_gate_up_tiles(x, w, n, c)
+                for cfg in TILES_CONFIGS:
+                    variants[f"tiles w{cfg.warps}c{cfg.chunks}"] = lambda w, c=cfg: qt.launch_gate_up_tiles(x, w, n, c)
         else:
             variants = {"dispatch": lambda w: qm.quant_matvec(x, w, qm.Q4_0, n)}
             if on_gpu and custom_kernels.backend() == "cuda" and qt.tiles_supported(dtype, k):
-                for wp in TILES_WARPS:
-                    variants[f"tiles w{wp}"] = lambda w, c=qt.TilesConfig(wp): qt.launch_dense_tiles(x, w, n, c)
+                for cfg in TILES_CONFIGS:
+                    variants[f"tiles w{cfg.warps}c{cfg.chunks}"] = lambda w, c=cfg: qt.launch_dense_tiles(x, w, n, c)
         for impl, fn in variants.items():
             calls = [lambda w=w, fn=fn: fn(w) for w in weights]
             out.append(dict(model=model, name=name, impl=impl, N=rows_n, K=k, M=m, sets=len(weights),
@@ -700,7 +700,7 @@ def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
     if args.tiles:
         shapes = [("tiny", "proj", "dense", 96, 256), ("tiny", "gate|up", "gate_up", 48, 512)] if args.quick else TILES_SHAPES
         for shape_model, name, kind, n, k in shapes:
-            add(tiles_case(shape_model, name, kind, n, k, (1, 8), dtype, args.quick, on_gpu), rows)
+            add(tiles_case(shape_model, name, kind, n, k, (1,), dtype, args.quick, on_gpu), rows)
         if not args.quick:
             rb = qm.row_bytes(qm.Q4_0, 5376)
             weights = [random_blocks(qm.Q4_0, (21504,), 5376) for _ in range(n_sets(21504 * rb, False))]
@@ -781,7 +781,7 @@ def main() -> None:
                     "E4B's FFN gate and down, and the 31B fused gate|up at M = 1, 2, 4, 8: the dispatch, the stream and runs kernels and the "
                     "runs16m geometries")  # fmt: skip
     ap.add_argument("--tiles", action="store_true", help="with --focus: only the dispatch against the tiles kernels "
-                    "(custom_kernels.quant_tiles) on the dense one-token shapes they take, M = 1 and 8")  # fmt: skip
+                    "(custom_kernels.quant_tiles) on the dense one-token shapes they take")  # fmt: skip
     ap.add_argument("--focus", action="store_true", help="only the issue-4 targets (31B FFN, 26B-A4B experts), "
                     "the per-op overhead probe and a sweep of the CUDA stream kernels' geometry")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/kernels-<backend>-<date>.json)")

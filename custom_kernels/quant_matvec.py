@@ -2529,8 +2529,10 @@ def _use_runs(x_dtype: mx.Dtype, k: int, family: str) -> bool:
 
 
 def _use_tiles(x_dtype: mx.Dtype, k: int) -> bool:
-    """A tiles kernel (custom_kernels.quant_tiles) for this Q4_0 call of 1..8 tokens? Family
-    "quant_matvec_tiles" on, CUDA on Hopper, bf16 x, K a multiple of 256 whose tile fits."""
+    """A tiles kernel (custom_kernels.quant_tiles) for this one-token Q4_0 call? Family
+    "quant_matvec_tiles" on, CUDA on Hopper, bf16 x, K a multiple of 256 whose tile fits. (The
+    kernels take 1..8 tokens, but at M = 8 they were slower than the runs16m kernels on the H200:
+    every warp reads its tokens' x from L2, bench/NOTES.md session 23.)"""
     return (backend() == "cuda" and use_kernel("quant_matvec_tiles") and _arch_at_least(BULK_ARCH)
             and _tiles.tiles_supported(x_dtype, k))  # fmt: skip
 
@@ -2602,7 +2604,7 @@ def _dense_route(x: mx.array, ggml_type: int, n: int) -> str:
     k, m = x.shape[-1], math.prod(x.shape[:-1])
     if not use_kernel("quant_matvec") or not 1 <= m <= MAX_ROWS:
         return "reference"
-    if ggml_type == Q4_0 and _use_tiles(x.dtype, k):
+    if ggml_type == Q4_0 and m == 1 and _use_tiles(x.dtype, k):
         return "tiles"
     if ggml_type == Q4_0 and m == 1 and _use_runs(x.dtype, k, "quant_matvec_runs") and dense_runs_wide(n, k):
         return "runs"
@@ -2634,8 +2636,9 @@ def quant_matvec_gelu_mul(x: mx.array, blocks: mx.array, ggml_type: int, n: int,
 def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: mx.array | None = None) -> mx.array:
     """Dense fused gate/up (an MLP's gate_proj and up_proj stored as one matrix): x [..., K],
     Q4_0 / Q8_0 blocks [2F, ...] whose rows 0..F-1 are gate and F..2F-1 up -> gelu_tanh(gate) * up
-    [..., F] in x.dtype. With family quant_matvec_tiles on (opt-in), 1..8 bf16 tokens with Q4_0
-    blocks on Hopper take its kernel (custom_kernels.quant_tiles). One row on a GPU: the expert gate/up kernel with the matrix as the only
+    [..., F] in x.dtype. With family quant_matvec_tiles on (opt-in), one bf16 token with Q4_0
+    blocks on Hopper takes its kernel (custom_kernels.quant_tiles). One row on a GPU: the expert
+    gate/up kernel with the matrix as the only
     expert (one launch, f32 product rounded once), split K on CUDA (H200 31B step: 97 -> 82 us
     against the stream kernel); for Q4_0 on CUDA with bf16 x and K a multiple of 256 the runs
     kernel instead (family gate_up_runs; its staged 16-row form: 31B 102 -> 62 us, E4B 37-45 ->
@@ -2654,7 +2657,7 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
     m = math.prod(lead)
     if not use_kernel("quant_matvec") or not 1 <= m <= MAX_ROWS:
         return gate_up_reference(x, blocks, ggml_type, f)
-    if ggml_type == Q4_0 and _use_tiles(x.dtype, k):
+    if m == 1 and ggml_type == Q4_0 and _use_tiles(x.dtype, k):
         return _tiles.launch_gate_up_tiles(x, blocks, f, out_shape=(*lead, f))
     if m > 1 and ggml_type == Q4_0 and _use_runs(x.dtype, k, "quant_matvec_runs_m"):
         return launch_gate_up_runs_m(x, blocks, f, out_shape=(*lead, f))

@@ -50,13 +50,17 @@ TILES_GEOMETRY_ENV = "GEMMA4_MLX_TILES_GEOMETRY"
 
 @dataclass(frozen=True)
 class TilesConfig:
-    """Warps per threadgroup (they split the tile's 256-weight steps)."""
+    """Warps per threadgroup (they split the tile's 256-weight steps) and chunks (each row arrives
+    in this many bulk copies along K, each with its own barrier: the warps start on the first)."""
 
-    warps: int = 4
+    warps: int = 8
+    chunks: int = 4
 
     def __post_init__(self):
         if type(self.warps) is not int or self.warps not in (1, 2, 4, 8):
             raise ValueError(f"warps must be 1, 2, 4 or 8, got {self.warps!r}")
+        if type(self.chunks) is not int or self.chunks not in (1, 2, 4, 8):
+            raise ValueError(f"chunks must be 1, 2, 4 or 8, got {self.chunks!r}")
 
 
 def default_tiles_config() -> TilesConfig:
@@ -111,7 +115,9 @@ __device__ __forceinline__ void g4_tiles_step(float (&acc)[4], const uint8_t* w0
 }
 """
 
-# Template: T (bfloat16), NW (warps), RS (tiles_row_stride(K)). @GU@: 0 dense (rows 16 b .. 16 b + 15),
+# Template: T (bfloat16), NW (warps), RS (tiles_row_stride(K)), NC (chunks: each row's bulk copies
+# come in NC pieces along K, each with its own barrier, so the warps start on the first while the
+# rest arrive). @GU@: 0 dense (rows 16 b .. 16 b + 15),
 # 1 gate|up (gate rows 8 b .. 8 b + 7 and up rows F + 8 b .. -> gelu_tanh(g) * u).
 _BODY_CUDA = r"""
   // gemma4-mlx q4_0 tiles kernel (CUDA tensor cores, 1..8 tokens, 16 whole rows per threadgroup)
@@ -129,29 +135,34 @@ _BODY_CUDA = r"""
   const int t = lane & 3;
   const int out0 = (int)blockIdx.x * (GU ? 8 : 16);
   extern __shared__ __align__(16) uint8_t tile_s[];  // 16 rows, RS bytes apart, given at launch
-  __shared__ __align__(8) uint64_t bar_s;
+  __shared__ __align__(8) uint64_t bars_s[NC];  // chunk c of every row: steps c spc .. (c + 1) spc - 1
   __shared__ float part_s[NW][16][8];  // each warp's sums: [tile row][token]
   // weight row of tile row r (a missing row: row 0, finite, never stored)
   auto wrow = [&](int r) -> int {
     const int o = out0 + (GU ? (r & 7) : r);
     return o < N ? (GU && r >= 8 ? N + o : o) : 0;
   };
-  if ((reinterpret_cast<uintptr_t>(wq) & 15u) == 0) {
-    const uint32_t bar = g4_shared_addr(&bar_s);
+  const int spc = (nsteps + NC - 1) / NC;  // steps per chunk
+  const uint32_t bar0 = g4_shared_addr(bars_s);
+  const bool bulk = (reinterpret_cast<uintptr_t>(wq) & 15u) == 0;
+  if (bulk) {  // lanes 0..15 of warp 0 copy a row each, chunk by chunk
     if (threadIdx.x == 0) {
-      g4_mbar_init(bar, 1);
+      for (int c = 0; c < NC; ++c) g4_mbar_init(bar0 + 8 * c, 1);
       g4_mbar_init_fence();
     }
     __syncthreads();
     if (warp == 0) {
-      if (lane == 0) g4_mbar_expect_tx(bar, 16u * (uint32_t)row_bytes);
-      __syncwarp();
-      if (lane < 16) {
-        g4_bulk_copy(g4_shared_addr(tile_s) + (uint32_t)(RS * lane), wq + (size_t)wrow(lane) * row_bytes,
-                     (uint32_t)row_bytes, bar);
+      for (int c = 0; c < NC; ++c) {
+        const int s0 = c * spc, s1 = min(nsteps, s0 + spc);
+        if (s0 >= s1) break;
+        if (lane == 0) g4_mbar_expect_tx(bar0 + 8 * c, (uint32_t)(16 * 144 * (s1 - s0)));
+        __syncwarp();
+        if (lane < 16) {
+          g4_bulk_copy(g4_shared_addr(tile_s) + (uint32_t)(RS * lane + 144 * s0),
+                       wq + (size_t)wrow(lane) * row_bytes + 144 * s0, (uint32_t)(144 * (s1 - s0)), bar0 + 8 * c);
+        }
       }
     }
-    g4_mbar_wait(bar, 0u);
   } else {  // rows off 16-byte alignment: 2-byte loads by every thread
     const int hw = row_bytes >> 1;
     for (int i = (int)threadIdx.x; i < 16 * hw; i += 32 * NW) {
@@ -163,11 +174,20 @@ _BODY_CUDA = r"""
   const bool tok = g < M;
   const uint8_t* xs = reinterpret_cast<const uint8_t*>(x) + (size_t)(tok ? g : 0) * K * 2;
   const uint8_t* w0 = tile_s + RS * g;
+  const bool xa = (reinterpret_cast<uintptr_t>(x) & 7u) == 0;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  if ((reinterpret_cast<uintptr_t>(x) & 7u) == 0) {
-    for (int s = warp; s < nsteps; s += NW) g4_tiles_step<RS, 1>(acc, w0 + 144 * s, xs + 512 * s, tok, t);
-  } else {
-    for (int s = warp; s < nsteps; s += NW) g4_tiles_step<RS, 0>(acc, w0 + 144 * s, xs + 512 * s, tok, t);
+  int ready = bulk ? -1 : NC;  // chunks this warp has seen arrive
+  for (int s = warp; s < nsteps; s += NW) {
+    const int c = s / spc;
+    if (c > ready) {
+      g4_mbar_wait(bar0 + 8 * c, 0u);
+      ready = c;
+    }
+    if (xa) {
+      g4_tiles_step<RS, 1>(acc, w0 + 144 * s, xs + 512 * s, tok, t);
+    } else {
+      g4_tiles_step<RS, 0>(acc, w0 + 144 * s, xs + 512 * s, tok, t);
+    }
   }
   part_s[warp][g][2 * t] = acc[0];
   part_s[warp][g][2 * t + 1] = acc[1];
@@ -197,7 +217,7 @@ def _tiles_def(kind: str) -> qm._KernelDef:
     header = (prelude("cuda") + qm._MMA_HEADER_CUDA + qm._RUNS_HEADER_CUDA + qm._RUNS16_HEADER_CUDA
               + qm._STREAM_CP_ASYNC_CUDA + qm._MBAR_BULK_CUDA + qm._RUNS16M_HEADER_CUDA + _HEADER_CUDA)  # fmt: skip
     body = _BODY_CUDA.replace("@GU@", "1" if kind == "gate_up" else "0")
-    return qm._KernelDef(name, kind, qm.Q4_0, ("x", "wq"), ("out",), ("T", "NW", "RS"),
+    return qm._KernelDef(name, kind, qm.Q4_0, ("x", "wq"), ("out",), ("T", "NW", "RS", "NC"),
                          {"metal": ("", ""), "cuda": (header, body)})  # fmt: skip
 
 
@@ -220,7 +240,7 @@ def plan_tiles(kind: str, m: int, n: int, k: int, config: TilesConfig | None = N
     cfg = config or default_tiles_config()
     tiles = math.ceil(n / (8 if kind == "gate_up" else 16))
     threads = 32 * cfg.warps
-    template = [("T", "bfloat16"), ("NW", cfg.warps), ("RS", tiles_row_stride(k))]
+    template = [("T", "bfloat16"), ("NW", cfg.warps), ("RS", tiles_row_stride(k)), ("NC", cfg.chunks)]
     return qm.LaunchPlan(template, (tiles * threads, 1, 1), (threads, 1, 1), (m, n))
 
 
@@ -264,19 +284,20 @@ def _case(rng, kind, n, k, config, m=1, lead=None):
 
 
 def _cases(kind: str):
-    """Every token count class (1, odd, 8; lead dims), partial last tiles, every warp count, warps
-    without a step (K = 256 at 8 warps), a row stride with padding (K = 2560: 90 words) and without
-    (K = 768, 5376)."""
+    """Every token count class (1, odd, 8; lead dims), partial last tiles, every warp and chunk
+    count, warps without a step and chunks without steps (K = 256 at 8 warps, 8 chunks), a last chunk
+    shorter than the others (K = 5376: 21 steps in chunks of 6), a row stride with padding (K = 2560:
+    90 words) and without (K = 768, 5376)."""
 
     def make(rng: np.random.Generator):
         c = TilesConfig
         if kind == "dense":
-            return [_case(rng, kind, 37, 5376, c(4), 8), _case(rng, kind, 45, 2560, c(2), 1),
-                    _case(rng, kind, 16, 256, c(8), 3), _case(rng, kind, 130, 768, c(1), 6, (2, 3)),
-                    _case(rng, kind, 9, 2816, c(4), 5)]  # fmt: skip
-        return [_case(rng, kind, 11, 5376, c(4), 8), _case(rng, kind, 13, 512, c(1), 2),
-                _case(rng, kind, 21, 768, c(2), 7, (7, 1)), _case(rng, kind, 70, 2560, c(8), 1),
-                _case(rng, kind, 5, 2816, c(4), 4)]  # fmt: skip
+            return [_case(rng, kind, 37, 5376, c(4, 4), 8), _case(rng, kind, 45, 2560, c(2, 1), 1),
+                    _case(rng, kind, 16, 256, c(8, 8), 3), _case(rng, kind, 130, 768, c(1, 2), 6, (2, 3)),
+                    _case(rng, kind, 9, 2816, c(8, 4), 1)]  # fmt: skip
+        return [_case(rng, kind, 11, 5376, c(8, 4), 1), _case(rng, kind, 13, 512, c(1, 8), 2),
+                _case(rng, kind, 21, 768, c(2, 1), 7, (7, 1)), _case(rng, kind, 70, 2560, c(8, 2), 1),
+                _case(rng, kind, 5, 2816, c(4, 4), 4)]  # fmt: skip
 
     return make
 

@@ -26,16 +26,16 @@ def test_row_stride_is_an_odd_number_of_16_byte_words():
 
 def test_plans_and_refusals(monkeypatch):
     monkeypatch.delenv(qt.TILES_GEOMETRY_ENV, raising=False)
-    assert qt.default_tiles_config() == qt.TilesConfig(4)
+    assert qt.default_tiles_config() == qt.TilesConfig(8, 4)
     plan = qt.plan_tiles("dense", 1, 21504, 5376)
-    assert plan.grid == (1344 * 128, 1, 1) and plan.threadgroup == (128, 1, 1) and plan.output_shape == (1, 21504)
-    assert dict(plan.template) == {"T": "bfloat16", "NW": 4, "RS": 3024}
-    plan = qt.plan_tiles("gate_up", 8, 21504, 5376, qt.TilesConfig(8))
-    assert plan.grid == (2688 * 256, 1, 1) and plan.output_shape == (8, 21504)
-    assert qt.plan_tiles("dense", 3, 17, 256).grid == (2 * 128, 1, 1)  # a partial last tile
-    monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, "warps=8")
-    assert qt.default_tiles_config() == qt.TilesConfig(8)
-    for bad in ("warps=3", "rows=2"):
+    assert plan.grid == (1344 * 256, 1, 1) and plan.threadgroup == (256, 1, 1) and plan.output_shape == (1, 21504)
+    assert dict(plan.template) == {"T": "bfloat16", "NW": 8, "RS": 3024, "NC": 4}
+    plan = qt.plan_tiles("gate_up", 8, 21504, 5376, qt.TilesConfig(4, 1))
+    assert plan.grid == (2688 * 128, 1, 1) and plan.output_shape == (8, 21504) and dict(plan.template)["NC"] == 1
+    assert qt.plan_tiles("dense", 3, 17, 256, qt.TilesConfig(4)).grid == (2 * 128, 1, 1)  # a partial last tile
+    monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, "warps=2,chunks=8")
+    assert qt.default_tiles_config() == qt.TilesConfig(2, 8)
+    for bad in ("warps=3", "chunks=3", "rows=2"):
         monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, bad)
         with pytest.raises(ValueError, match=qt.TILES_GEOMETRY_ENV):
             qt.default_tiles_config()
@@ -55,9 +55,9 @@ def test_plans_and_refusals(monkeypatch):
 
 def test_routing_on_cuda(monkeypatch):
     """On an sm_90 CUDA build (faked, launches stubbed) with family quant_matvec_tiles opted in,
-    1..8 bf16 tokens with Q4_0 rows whose tile fits go to the tiles kernels (dense and gate|up);
-    f32 x, K not a multiple of 256, K = 21504 (the tile does not fit) and Q8_0 keep their kernels;
-    without the opt-in nothing goes there."""
+    one bf16 token with Q4_0 rows whose tile fits goes to the tiles kernels (dense and gate|up);
+    2..8 tokens, f32 x, K not a multiple of 256, K = 21504 (the tile does not fit) and Q8_0 keep
+    their kernels; without the opt-in nothing goes there."""
     for env in (qt.TILES_GEOMETRY_ENV, custom_kernels.KERNELS_ENV, custom_kernels.KERNELS_OFF_ENV):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setattr(qm, "backend", lambda: "cuda")
@@ -69,8 +69,8 @@ def test_routing_on_cuda(monkeypatch):
                          (qm, "launch_dense_stream"), (qm, "launch_dense_mma"), (qm, "launch_dense"),
                          (qm, "launch_gate_up")):  # fmt: skip
         monkeypatch.setattr(module, name, lambda *a, _name=name, **kw: routed.append(_name) or mx.zeros((1,)))
-    cases = (((1, 5376), mx.bfloat16, qm.Q4_0, True), ((8, 5376), mx.bfloat16, qm.Q4_0, True),
-             ((2, 1, 8192), mx.bfloat16, qm.Q4_0, True), ((1, 21504), mx.bfloat16, qm.Q4_0, False),
+    cases = (((1, 5376), mx.bfloat16, qm.Q4_0, True), ((8, 5376), mx.bfloat16, qm.Q4_0, False),
+             ((1, 1, 8192), mx.bfloat16, qm.Q4_0, True), ((2, 1, 8192), mx.bfloat16, qm.Q4_0, False), ((1, 21504), mx.bfloat16, qm.Q4_0, False),
              ((1, 5376), mx.float32, qm.Q4_0, False), ((4, 1056), mx.bfloat16, qm.Q4_0, False),
              ((1, 5376), mx.bfloat16, qm.Q8_0, False))  # fmt: skip
     for opted in ("", "quant_matvec_tiles"):
