@@ -2530,11 +2530,11 @@ def _use_runs(x_dtype: mx.Dtype, k: int, family: str) -> bool:
 
 def _use_tiles(x_dtype: mx.Dtype, k: int) -> bool:
     """A tiles kernel (custom_kernels.quant_tiles) for this one-token Q4_0 call? Family
-    "quant_matvec_tiles" on, CUDA on Hopper, bf16 x, K a multiple of 256 whose tile fits. (The
+    "quant_matvec_tiles" on, CUDA on Hopper, bf16 x, K a multiple of 256 up to TILES_MAX_K. (The
     kernels take 1..8 tokens, but at M = 8 they were slower than the runs16m kernels on the H200:
     every warp reads its tokens' x from L2, bench/NOTES.md session 23.)"""
     return (backend() == "cuda" and use_kernel("quant_matvec_tiles") and _arch_at_least(BULK_ARCH)
-            and _tiles.tiles_supported(x_dtype, k))  # fmt: skip
+            and _tiles.tiles_supported(x_dtype, k) and k <= _tiles.TILES_MAX_K)  # fmt: skip
 
 
 def launch_dense_runs(x: mx.array, blocks: mx.array, n: int, config: RunsConfig | None = None,

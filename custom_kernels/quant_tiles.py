@@ -80,6 +80,12 @@ def tiles_shared_bytes(k: int) -> int:
     return 16 * tiles_row_stride(k)
 
 
+TILES_MAX_K = 6144
+"""The model routes one-token rows to the tiles kernels only up to this K: at K = 8192 (31B o_proj)
+and 10240 (E4B down) they were 1.3-1.7x slower than the runs / split-K kernels one call at a
+time (H200, bench/NOTES.md session 23); at K = 2816-5376 they were up to 1.4x faster."""
+
+
 def tiles_supported(x_dtype: mx.Dtype, k: int) -> bool:
     """True when the tiles kernels take this input: bf16 activations, K a positive multiple of 256
     whose tile fits TILES_SHARED_LIMIT."""

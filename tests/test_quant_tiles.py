@@ -56,7 +56,7 @@ def test_plans_and_refusals(monkeypatch):
 def test_routing_on_cuda(monkeypatch):
     """On an sm_90 CUDA build (faked, launches stubbed) with family quant_matvec_tiles opted in,
     one bf16 token with Q4_0 rows whose tile fits goes to the tiles kernels (dense and gate|up);
-    2..8 tokens, f32 x, K not a multiple of 256, K = 21504 (the tile does not fit) and Q8_0 keep
+    2..8 tokens, f32 x, K not a multiple of 256, K past TILES_MAX_K and Q8_0 keep
     their kernels; without the opt-in nothing goes there."""
     for env in (qt.TILES_GEOMETRY_ENV, custom_kernels.KERNELS_ENV, custom_kernels.KERNELS_OFF_ENV):
         monkeypatch.delenv(env, raising=False)
@@ -70,7 +70,7 @@ def test_routing_on_cuda(monkeypatch):
                          (qm, "launch_gate_up")):  # fmt: skip
         monkeypatch.setattr(module, name, lambda *a, _name=name, **kw: routed.append(_name) or mx.zeros((1,)))
     cases = (((1, 5376), mx.bfloat16, qm.Q4_0, True), ((8, 5376), mx.bfloat16, qm.Q4_0, False),
-             ((1, 1, 8192), mx.bfloat16, qm.Q4_0, True), ((2, 1, 8192), mx.bfloat16, qm.Q4_0, False), ((1, 21504), mx.bfloat16, qm.Q4_0, False),
+             ((1, 1, 2816), mx.bfloat16, qm.Q4_0, True), ((2, 1, 2816), mx.bfloat16, qm.Q4_0, False), ((1, 21504), mx.bfloat16, qm.Q4_0, False), ((1, 8192), mx.bfloat16, qm.Q4_0, False),
              ((1, 5376), mx.float32, qm.Q4_0, False), ((4, 1056), mx.bfloat16, qm.Q4_0, False),
              ((1, 5376), mx.bfloat16, qm.Q8_0, False))  # fmt: skip
     for opted in ("", "quant_matvec_tiles"):
