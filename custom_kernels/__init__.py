@@ -58,7 +58,7 @@ because they have not passed ``pytest -m gpu`` on real hardware yet or showed no
 PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split",
                     "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                     "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
-                    "router_fused", "attention_fused"})  # fmt: skip
+                    "router_fused", "attention_fused", "quant_matvec_tiles"})  # fmt: skip
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
@@ -101,25 +101,27 @@ compute-sanitizer and the model tests in session 22 and became a CUDA default th
 small: the sliding layers at one token, custom_kernels.attention's g4_attn_decode, CUDA only)
 passed its registry cases, operator tests (bit-equal to the two launches), compute-sanitizer and
 the model tests in session 22 and became a CUDA default there (in one process at 4K: 26B-A4B 281.8
-tok/s median against 259.4, host lower in 4 of 4 rounds; E4B 226.2 against 201.7, ahead in 4 of 4).
+tok/s median against 259.4, host lower in 4 of 4 rounds; E4B 226.2 against 201.7, ahead in 4 of 4);
+"quant_matvec_tiles" (one bf16 token with Q4_0 dense rows or a dense gate|up of K 3840..6144, 16
+whole rows per threadgroup copied front to back into shared memory, custom_kernels.quant_tiles,
+CUDA on Hopper only) passed its registry cases, operator tests, compute-sanitizer and the model
+tests in session 23 and became a CUDA default there (31B at 4K in one process 90.2 tok/s median
+against 85.4, ahead in 3 of 3 rounds).
 The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                        "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
-                       "router_fused", "attention_fused"})  # fmt: skip
+                       "router_fused", "attention_fused", "quant_matvec_tiles"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"matvec_norm", "quant_matvec_tiles"})
+OPT_IN = frozenset({"matvec_norm"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
 "matvec_norm" (a one-token Q4_0 / Q8_0 split-K projection and the residual norm after it in one
 launch, custom_kernels.matvec_norm, CUDA only): passed its registry cases, operator tests,
 compute-sanitizer and the model tests in session 22, but lost on the GPU: 33 launches fewer per
 12 E4B layers and 0.11 ms less of other ops, yet its kernels took 0.33 ms more (the grid's last
 block normalizing the row alone, and 96 registers at E4B's width), so E4B at 4K read 206.0 against
-212.7 tok/s in one process (bench/NOTES.md);
-"quant_matvec_tiles" (1..8 bf16 tokens with Q4_0 dense rows or a dense gate|up, 16 whole rows per
-threadgroup copied front to back, custom_kernels.quant_tiles, CUDA on Hopper only): written in
-session 23, not yet run on a GPU."""
+212.7 tok/s in one process (bench/NOTES.md)."""
 
 FAMILIES = PROVEN | OPT_IN
 """Every op family the model can use."""

@@ -2530,11 +2530,12 @@ def _use_runs(x_dtype: mx.Dtype, k: int, family: str) -> bool:
 
 def _use_tiles(x_dtype: mx.Dtype, k: int) -> bool:
     """A tiles kernel (custom_kernels.quant_tiles) for this one-token Q4_0 call? Family
-    "quant_matvec_tiles" on, CUDA on Hopper, bf16 x, K a multiple of 256 up to TILES_MAX_K. (The
+    "quant_matvec_tiles" on (a CUDA default), CUDA on Hopper, bf16 x, K a multiple of 256 in
+    [TILES_MIN_K, TILES_MAX_K] (the 31B and 12B projections but their FFN down). (The
     kernels take 1..8 tokens, but at M = 8 they were slower than the runs16m kernels on the H200:
     every warp reads its tokens' x from L2, bench/NOTES.md session 23.)"""
     return (backend() == "cuda" and use_kernel("quant_matvec_tiles") and _arch_at_least(BULK_ARCH)
-            and _tiles.tiles_supported(x_dtype, k) and k <= _tiles.TILES_MAX_K)  # fmt: skip
+            and _tiles.tiles_supported(x_dtype, k) and _tiles.TILES_MIN_K <= k <= _tiles.TILES_MAX_K)  # fmt: skip
 
 
 def launch_dense_runs(x: mx.array, blocks: mx.array, n: int, config: RunsConfig | None = None,
@@ -2636,8 +2637,8 @@ def quant_matvec_gelu_mul(x: mx.array, blocks: mx.array, ggml_type: int, n: int,
 def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: mx.array | None = None) -> mx.array:
     """Dense fused gate/up (an MLP's gate_proj and up_proj stored as one matrix): x [..., K],
     Q4_0 / Q8_0 blocks [2F, ...] whose rows 0..F-1 are gate and F..2F-1 up -> gelu_tanh(gate) * up
-    [..., F] in x.dtype. With family quant_matvec_tiles on (opt-in), one bf16 token with Q4_0
-    blocks on Hopper takes its kernel (custom_kernels.quant_tiles). One row on a GPU: the expert
+    [..., F] in x.dtype. With family quant_matvec_tiles on (a CUDA default), one bf16 token with
+    Q4_0 blocks on Hopper and K in its range takes its kernel (custom_kernels.quant_tiles). One row on a GPU: the expert
     gate/up kernel with the matrix as the only
     expert (one launch, f32 product rounded once), split K on CUDA (H200 31B step: 97 -> 82 us
     against the stream kernel); for Q4_0 on CUDA with bf16 x and K a multiple of 256 the runs

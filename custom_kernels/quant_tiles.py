@@ -38,7 +38,8 @@ from . import quant_matvec as qm
 from .dialect import prelude
 
 __all__ = ["TilesConfig", "default_tiles_config", "tiles_supported", "tiles_row_stride", "tiles_shared_bytes",
-           "plan_tiles", "launch_dense_tiles", "launch_gate_up_tiles", "kernel_specs", "TILES_SHARED_LIMIT"]  # fmt: skip
+           "plan_tiles", "launch_dense_tiles", "launch_gate_up_tiles", "kernel_specs", "TILES_SHARED_LIMIT",
+           "TILES_MIN_K", "TILES_MAX_K"]  # fmt: skip
 
 TILES_SHARED_LIMIT = 110 * 1024
 """Dynamic shared memory of one tile at most (two threadgroups per SM at least): K <= 12,288 (the
@@ -80,10 +81,13 @@ def tiles_shared_bytes(k: int) -> int:
     return 16 * tiles_row_stride(k)
 
 
+TILES_MIN_K = 3840
 TILES_MAX_K = 6144
-"""The model routes one-token rows to the tiles kernels only up to this K: at K = 8192 (31B o_proj)
-and 10240 (E4B down) they were 1.3-1.7x slower than the runs / split-K kernels one call at a
-time (H200, bench/NOTES.md session 23); at K = 2816-5376 they were up to 1.4x faster."""
+"""The model routes one-token rows to the tiles kernels for K in [TILES_MIN_K, TILES_MAX_K] only,
+as measured one call at a time on the H200 (bench/NOTES.md, session 23): at K = 5376 (31B q|k|v,
+gate|up) and 3840-4096 (12B gate|up, o_proj) 3-9% faster than the runs kernels; at K = 8192 (31B
+o_proj) and 10240 (E4B down) 1.3-1.7x slower; at K = 2560 (E4B gate|up) slower and at 2816
+(26B-A4B q|k|v) faster per call, but neither model's decode gained in one process."""
 
 
 def tiles_supported(x_dtype: mx.Dtype, k: int) -> bool:
@@ -126,7 +130,7 @@ __device__ __forceinline__ void g4_tiles_step(float (&acc)[4], const uint8_t* w0
 # rest arrive). @GU@: 0 dense (rows 16 b .. 16 b + 15),
 # 1 gate|up (gate rows 8 b .. 8 b + 7 and up rows F + 8 b .. -> gelu_tanh(g) * u).
 _BODY_CUDA = r"""
-  // gemma4-mlx q4_0 tiles kernel (CUDA tensor cores, 1..8 tokens, 16 whole rows per threadgroup)
+  // gemma4-mlx q4_0 tiles kernel (CUDA tensor cores, 1..8 tokens, 16 whole rows per thread block)
   constexpr int GU = @GU@;
   const int K = x_shape[x_ndim - 1];  // x [..., K]: M = the other dimensions' product, 1..8
   int M = 1;

@@ -507,23 +507,23 @@ def test_q4_0_tiles_kernels(n, k):
 
 @pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
 def test_q4_0_tiles_dispatch(monkeypatch):
-    """With family quant_matvec_tiles opted in, one bf16 token with Q4_0 blocks (dense and gate|up)
-    goes to the tiles kernels and stays as accurate as the reference bound."""
+    """With family quant_matvec_tiles on (a CUDA default), one bf16 token with Q4_0 blocks of K in
+    its range (dense and gate|up) goes to the tiles kernels and stays as accurate as the reference
+    bound."""
     from custom_kernels import quant_tiles as qt
 
     monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "quant_matvec_tiles")
     launched = []
     for name in ("launch_dense_tiles", "launch_gate_up_tiles"):
         real = getattr(qt, name)
         monkeypatch.setattr(qt, name, lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw))
     rng = np.random.default_rng(59)
-    raw = qm.random_blocks(rng, qm.Q4_0, (300,), 1024)
+    raw = qm.random_blocks(rng, qm.Q4_0, (300,), 3840)
     w64 = qm.dequantize_f64(raw, qm.Q4_0)
-    for shape in ((1, 1024), (1, 1, 1024)):
+    for shape in ((1, 3840), (1, 1, 3840)):
         launched.clear()
         x, x64 = _acts(rng, shape, mx.bfloat16)
-        x64 = x64.reshape(-1, 1024)
+        x64 = x64.reshape(-1, 3840)
         out = qm.q4_0_matvec(x, mx.array(raw), 300)
         assert out.shape == (*shape[:-1], 300)
         _check(out.reshape(-1, 300), x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, mx.bfloat16, f"dispatch {shape}")

@@ -337,6 +337,8 @@ def test_many_token_routing_on_cuda(monkeypatch):
     for name in ("launch_dense_runs_m", "launch_gate_up_runs_m", "launch_dense_runs", "launch_gate_up_runs",
                  "launch_dense_stream", "launch_dense_mma", "launch_dense", "launch_gate_up"):  # fmt: skip
         monkeypatch.setattr(qm, name, lambda *a, _name=name, **kw: routed.append(_name) or mx.zeros((1,)))
+    for name in ("launch_dense_tiles", "launch_gate_up_tiles"):  # one token of K 5376: the tiles kernels
+        monkeypatch.setattr(qm._tiles, name, lambda *a, _name=name, **kw: routed.append(_name) or mx.zeros((1,)))
     cases = (((8, 5376), mx.bfloat16, qm.Q4_0, True), ((2, 1, 512), mx.bfloat16, qm.Q4_0, True),
              ((1, 5376), mx.bfloat16, qm.Q4_0, False), ((8, 5376), mx.float32, qm.Q4_0, False),
              ((4, 1056), mx.bfloat16, qm.Q4_0, False), ((8, 5376), mx.bfloat16, qm.Q8_0, False))  # fmt: skip
@@ -394,7 +396,8 @@ def test_runs_m_plans_and_geometry(monkeypatch):
 
 def test_runs_kernels_follow_the_compute_capability(monkeypatch):
     """On CUDA (faked): below sm_90 the staged runs kernels fill their slots with cp.async (no bulk
-    copies) and 2..8 tokens leave runs16m for the stream kernel; below sm_80 (no bf16 mma.sync) Q4_0
+    copies), 2..8 tokens leave runs16m for the stream kernel and one token the tiles kernels for the
+    runs kernels; below sm_80 (no bf16 mma.sync) Q4_0
     takes the f32-FMA kernels; an unreported capability (0) keeps the H200 defaults."""
     for env in (qm.RUNS_GEOMETRY_ENV, custom_kernels.UNPROVEN_ENV, custom_kernels.KERNELS_OFF_ENV, custom_kernels.KERNELS_ENV):
         monkeypatch.delenv(env, raising=False)
@@ -403,18 +406,20 @@ def test_runs_kernels_follow_the_compute_capability(monkeypatch):
     routed = []
     for name in ("launch_dense_runs_m", "launch_dense_runs", "launch_dense_stream", "launch_dense_mma", "launch_dense"):
         monkeypatch.setattr(qm, name, lambda *a, _name=name, **kw: routed.append(_name) or mx.zeros((1,)))
+    monkeypatch.setattr(qm._tiles, "launch_dense_tiles", lambda *a, **kw: routed.append("launch_dense_tiles") or mx.zeros((1,)))
     blocks = mx.zeros((21504, qm.row_bytes(qm.Q4_0, 5376)), mx.uint8)
-    for arch, bulk, many, one in ((0, 1, "launch_dense_runs_m", "launch_dense_runs"),
-                                  (90, 1, "launch_dense_runs_m", "launch_dense_runs"),
-                                  (80, 0, "launch_dense_stream", "launch_dense_runs"),
-                                  (75, 0, "launch_dense", "launch_dense")):  # fmt: skip
+    wide = mx.zeros((5376, qm.row_bytes(qm.Q4_0, 21504)), mx.uint8)  # K past the tiles kernels' range
+    for arch, bulk, many, one, one_wide in ((0, 1, "launch_dense_runs_m", "launch_dense_tiles", "launch_dense_runs"),
+                                            (90, 1, "launch_dense_runs_m", "launch_dense_tiles", "launch_dense_runs"),
+                                            (80, 0, "launch_dense_stream", "launch_dense_runs", "launch_dense_runs"),
+                                            (75, 0, "launch_dense", "launch_dense", "launch_dense")):  # fmt: skip
         monkeypatch.setattr(qm, "cuda_arch", lambda arch=arch: arch)
         assert qm.default_runs_config("gate_up", 21504, 5376).bulk == bulk, arch
         routed.clear()
         qm.quant_matvec(mx.zeros((8, 5376), mx.bfloat16), blocks, qm.Q4_0, 21504)
         qm.quant_matvec(mx.zeros((1, 5376), mx.bfloat16), blocks, qm.Q4_0, 21504)
-        assert routed[0] == many and routed[1] != "launch_dense_runs_m", (arch, routed)
-        assert (routed[1] == "launch_dense_runs") == (one == "launch_dense_runs"), (arch, routed)
+        qm.quant_matvec(mx.zeros((1, 21504), mx.bfloat16), wide, qm.Q4_0, 5376)
+        assert routed == [many, one, one_wide], (arch, routed)
 
 
 def test_backend_and_reference_switch(monkeypatch):
@@ -820,11 +825,13 @@ def test_matvec_gelu_mul_op_and_routing(monkeypatch):
     for name in ("launch_dense_gelu_mul", "launch_dense_runs", "launch_dense_runs_m", "launch_dense_stream",
                  "launch_dense_mma", "launch_dense"):  # fmt: skip
         monkeypatch.setattr(qm, name, lambda *a, _name=name, **kw: routed.append(_name) or mx.zeros(kw["out_shape"]))
+    monkeypatch.setattr(qm._tiles, "launch_dense_tiles",
+                        lambda *a, **kw: routed.append("launch_dense_tiles") or mx.zeros(kw["out_shape"]))  # fmt: skip
     # (x shape, N, type) -> fused on (CUDA, Metal)
     cases = {((1, 1, 2560), 256, qm.Q4_0): (True, True), ((1, 2560), 256, qm.Q8_0): (True, True),  # E4B's gate
              ((3, 2560), 256, qm.Q4_0): (False, True),  # 2..8 Q4_0 tokens: runs16m on CUDA
              ((8, 2560), 256, qm.Q8_0): (True, True),
-             ((1, 5376), 21504, qm.Q4_0): (False, True),  # a runs-kernel shape on CUDA
+             ((1, 5376), 21504, qm.Q4_0): (False, True),  # a tiles-kernel shape on CUDA
              ((9, 2560), 256, qm.Q4_0): (False, False)}  # more than 8 rows: the reference  # fmt: skip
     for which in ("cuda", "metal"):
         monkeypatch.setattr(qm, "backend", lambda which=which: which)

@@ -54,11 +54,11 @@ def test_plans_and_refusals(monkeypatch):
 
 
 def test_routing_on_cuda(monkeypatch):
-    """On an sm_90 CUDA build (faked, launches stubbed) with family quant_matvec_tiles opted in,
-    one bf16 token with Q4_0 rows whose tile fits goes to the tiles kernels (dense and gate|up);
-    2..8 tokens, f32 x, K not a multiple of 256, K past TILES_MAX_K and Q8_0 keep
-    their kernels; without the opt-in nothing goes there."""
-    for env in (qt.TILES_GEOMETRY_ENV, custom_kernels.KERNELS_ENV, custom_kernels.KERNELS_OFF_ENV):
+    """On an sm_90 CUDA build (faked, launches stubbed), family quant_matvec_tiles (a CUDA default)
+    takes one bf16 token with Q4_0 rows of K in [TILES_MIN_K, TILES_MAX_K] (dense and gate|up);
+    2..8 tokens, f32 x, K outside the range (E4B's 2560, 26B-A4B's 2816, 31B's o_proj 8192 and down
+    21504), K not a multiple of 256 and Q8_0 keep their kernels; GEMMA4_MLX_KERNELS_OFF turns it off."""
+    for env in (qt.TILES_GEOMETRY_ENV, custom_kernels.KERNELS_ENV, custom_kernels.UNPROVEN_ENV):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setattr(qm, "backend", lambda: "cuda")
     monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
@@ -69,17 +69,19 @@ def test_routing_on_cuda(monkeypatch):
                          (qm, "launch_dense_stream"), (qm, "launch_dense_mma"), (qm, "launch_dense"),
                          (qm, "launch_gate_up")):  # fmt: skip
         monkeypatch.setattr(module, name, lambda *a, _name=name, **kw: routed.append(_name) or mx.zeros((1,)))
-    cases = (((1, 5376), mx.bfloat16, qm.Q4_0, True), ((8, 5376), mx.bfloat16, qm.Q4_0, False),
-             ((1, 1, 2816), mx.bfloat16, qm.Q4_0, True), ((2, 1, 2816), mx.bfloat16, qm.Q4_0, False), ((1, 21504), mx.bfloat16, qm.Q4_0, False), ((1, 8192), mx.bfloat16, qm.Q4_0, False),
-             ((1, 5376), mx.float32, qm.Q4_0, False), ((4, 1056), mx.bfloat16, qm.Q4_0, False),
+    cases = (((1, 5376), mx.bfloat16, qm.Q4_0, True), ((1, 1, 3840), mx.bfloat16, qm.Q4_0, True),
+             ((1, 4096), mx.bfloat16, qm.Q4_0, True), ((8, 5376), mx.bfloat16, qm.Q4_0, False),
+             ((2, 1, 3840), mx.bfloat16, qm.Q4_0, False), ((1, 2560), mx.bfloat16, qm.Q4_0, False),
+             ((1, 2816), mx.bfloat16, qm.Q4_0, False), ((1, 8192), mx.bfloat16, qm.Q4_0, False),
+             ((1, 21504), mx.bfloat16, qm.Q4_0, False), ((1, 5376), mx.float32, qm.Q4_0, False),
              ((1, 5376), mx.bfloat16, qm.Q8_0, False))  # fmt: skip
-    for opted in ("", "quant_matvec_tiles"):
-        monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, opted)
+    for off in ("", "quant_matvec_tiles"):
+        monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, off)
         for shape, dtype, fmt, tiles in cases:
             blocks = mx.zeros((64, qm.row_bytes(fmt, shape[-1])), mx.uint8)
             routed.clear()
             qm.quant_matvec(mx.zeros(shape, dtype), blocks, fmt, 64)
-            assert (routed == ["launch_dense_tiles"]) == (tiles and bool(opted)), (shape, dtype, fmt, opted, routed)
+            assert (routed == ["launch_dense_tiles"]) == (tiles and not off), (shape, dtype, fmt, off, routed)
             routed.clear()
             qm.gate_up(mx.zeros(shape, dtype), blocks, fmt, 32)
-            assert (routed == ["launch_gate_up_tiles"]) == (tiles and bool(opted)), (shape, dtype, fmt, opted, routed)
+            assert (routed == ["launch_gate_up_tiles"]) == (tiles and not off), (shape, dtype, fmt, off, routed)
