@@ -215,7 +215,6 @@ _HELPERS = r"""
 #   WIN  sliding window (0: full attention)       QT  query rows per threadgroup (tile)
 #   TS   slots per tile (multiple of 8)           NSG SIMD groups per threadgroup (32*NSG >= D/4)
 #   CMIN minimum slots per partition (multiple of TS)
-#   VB   slots whose values a thread loads together in the value phase (divides TS)
 # Grid: x = 32*NSG threads x (B * n_kv), y = P partitions, z = ceil(G*M / QT) query tiles.
 _PARTIAL_BODY = r"""
   // gemma4-mlx attn_decode_partial: split-GQA decode attention over one sequence partition
@@ -370,13 +369,13 @@ _PARTIAL_BODY = r"""
         $unroll for (int e = 0; e < 4; ++e) acc[i][e] *= a;
       }
     }
-    for (int c = 0; c < TS; c += VB) {  // VB slots' values loaded together, then used in slot order
-      bool okv[VB];
+    for (int c = 0; c < TS; c += 4) {
+      bool okv[4];
       bool some = false;
-      $unroll for (int u = 0; u < VB; ++u) { okv[u] = ok_s[c + u] != 0; some = some || okv[u]; }
+      $unroll for (int u = 0; u < 4; ++u) { okv[u] = ok_s[c + u] != 0; some = some || okv[u]; }
       if (!some) continue;
-      float vv[VB][4];
-      $unroll for (int u = 0; u < VB; ++u) {
+      float vv[4][4];
+      $unroll for (int u = 0; u < 4; ++u) {
         if (okv[u]) {
           g4_load4(vbase + (size_t)(t0 + c + u) * D + 4 * dv, vv[u]);
         } else {
@@ -386,7 +385,7 @@ _PARTIAL_BODY = r"""
       $unroll for (int i = 0; i < RPT; ++i) {
         const int r = rg + RG * i;
         if (r < nrows) {
-          $unroll for (int u = 0; u < VB; ++u) {
+          $unroll for (int u = 0; u < 4; ++u) {
             const float p = s_s[r * TS + c + u];
             $unroll for (int e = 0; e < 4; ++e) acc[i][e] += p * vv[u][e];
           }
@@ -623,10 +622,7 @@ class AttentionConfig:
     ``max_parts`` partitions at most (long caches then get longer partitions), and
     ``min_groups``, which lifts that cap so a layer with few K/V heads still gets that many
     threadgroups when its cache is long enough and ``target_groups`` is at least as large (so a
-    strict ``max_parts`` needs ``min_groups=0`` too), and ``value_batch`` (VB), the slots whose
-    values each thread loads together in the value phase (one round trip to memory per VB slots:
-    4 on Metal, not measured; 16 on CUDA, where the value phase of a 32-slot tile was 8 dependent
-    loads in a row, bench/NOTES.md session 23; same arithmetic in the same order at any VB)."""
+    strict ``max_parts`` needs ``min_groups=0`` too)."""
 
     rows: int = 16
     simd_groups: int = 4
@@ -635,7 +631,6 @@ class AttentionConfig:
     target_groups: int = 512
     max_parts: int = 4096
     min_groups: int = 0
-    value_batch: int = 4
 
     def __post_init__(self):
         if not 1 <= self.rows <= 64:
@@ -652,8 +647,6 @@ class AttentionConfig:
             raise ValueError("max_parts must be positive")
         if self.min_groups < 0:
             raise ValueError("min_groups must be >= 0")
-        if self.value_batch not in (4, 8, 16) or self.tile % self.value_batch:
-            raise ValueError("value_batch must be 4, 8 or 16 and divide tile")
 
 
 GEOMETRY_ENV = "GEMMA4_MLX_ATTENTION_GEOMETRY"
@@ -666,8 +659,7 @@ def default_config(head_dim: int, which: str | None = None) -> AttentionConfig:
     H200, bench/NOTES.md 2026-11-30): partitions of one 32-slot tile, up to 4096 threadgroups and
     at most 512 partitions, since each threadgroup walks its tiles one after another and the GPU
     must hold thousands of them to keep HBM busy; a layer with one K/V head (12B's full layers)
-    may take 1024 partitions (min_groups; 12B at 128K, session 11); values loaded 16 slots at a
-    time (value_batch). Metal (not measured):
+    may take 1024 partitions (min_groups; 12B at 128K, session 11). Metal (not measured):
     partitions of at least 256 slots, about 128 threadgroups. GEMMA4_MLX_ATTENTION_GEOMETRY
     overrides fields."""
     which = which or backend()
@@ -677,7 +669,7 @@ def default_config(head_dim: int, which: str | None = None) -> AttentionConfig:
         cfg = AttentionConfig(rows=rows, simd_groups=4, tile=32, min_chunk=256, target_groups=128)
     else:
         cfg = AttentionConfig(rows=rows, simd_groups=4, tile=32, min_chunk=32, target_groups=4096, max_parts=512,
-                              min_groups=1024, value_batch=16)
+                              min_groups=1024)
     return geometry_override(cfg, GEOMETRY_ENV)
 
 
@@ -732,8 +724,7 @@ def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: i
     shared = 4 * (qt * head_dim + qt * cfg.tile + qt + cfg.tile)
     if shared > _SHARED_LIMIT[which]:
         raise ValueError(f"{shared} bytes of threadgroup memory exceed {which}'s {_SHARED_LIMIT[which]}")
-    template = common + [("QT", qt), ("TS", cfg.tile), ("NSG", cfg.simd_groups), ("CMIN", cfg.min_chunk),
-                         ("VB", cfg.value_batch)]
+    template = common + [("QT", qt), ("TS", cfg.tile), ("NSG", cfg.simd_groups), ("CMIN", cfg.min_chunk)]
     # partitions: enough to reach target_groups threadgroups, within [1, slots / min_chunk], <= max_parts
     # (lifted so that the grid keeps min_groups threadgroups)
     cap = max(cfg.max_parts, -(-cfg.min_groups // (bh * zs)))
@@ -1073,9 +1064,9 @@ def _common_problems() -> list[tuple]:
     c = AttentionConfig
     return [
         # sliding ring out of order with empty slots, window edge (W keys incl. self), 3 partitions
-        # (8, 8, 4 slots: a partial last one), bf16 cache, f32 q; a tile's values loaded at once
+        # (8, 8, 4 slots: a partial last one), bf16 cache, f32 q
         ("float32", "bfloat16", 1, 4, 2, 1, 256, _ring(20, 31, 50, empty=(3, 12)), [50], 12, 20,
-         c(rows=16, simd_groups=2, tile=8, min_chunk=8, target_groups=6, value_batch=8)),
+         c(rows=16, simd_groups=2, tile=8, min_chunk=8, target_groups=6)),
         # full layer: capacity 24 > valid 13 (an idle partition), M = 3 causal inside the chunk,
         # 12 query rows in tiles of 8 + 4, bf16 q, f32 cache, D = 512
         ("bfloat16", "float32", 1, 4, 1, 3, 512, np.arange(24), [10, 11, 12], None, 13,
@@ -1123,10 +1114,9 @@ def _merge_cases(rng: np.random.Generator):
 def _fused_cases(rng: np.random.Generator):
     c = AttentionConfig
     return [_partial_case(rng, *problem, fused=True) for problem in _common_problems()] + [
-        # 37 of 38 partitions active (D = 128, one SIMD group), the CUDA tile of 32 slots, values
-        # loaded 16 slots at a time
+        # 37 of 38 partitions active (D = 128, one SIMD group), the CUDA tile of 32 slots
         _partial_case(rng, "bfloat16", "bfloat16", 1, 2, 1, 1, 128, np.arange(1216), [1183], None, 1184,
-                      c(rows=8, simd_groups=1, tile=32, min_chunk=32, target_groups=38, value_batch=16), fused=True),
+                      c(rows=8, simd_groups=1, tile=32, min_chunk=32, target_groups=38), fused=True),
         # no valid slot: no partition is active, partition 0 writes zeros
         _partial_case(rng, "bfloat16", "bfloat16", 1, 4, 2, 1, 256, np.arange(64), [0], None, 0,
                       c(rows=16, simd_groups=2, tile=8, min_chunk=8, target_groups=8), fused=True),

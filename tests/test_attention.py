@@ -325,12 +325,6 @@ def test_cuda_partitions_fill_the_gpu_and_stay_bounded():
         at.AttentionConfig(max_parts=0)
     with pytest.raises(ValueError, match="min_groups"):
         at.AttentionConfig(min_groups=-1)
-    for bad in (dict(value_batch=3), dict(value_batch=32), dict(tile=8, min_chunk=8, value_batch=16)):
-        with pytest.raises(ValueError, match="value_batch"):
-            at.AttentionConfig(**bad)
-    assert at.default_config(256, "cuda").value_batch == 16 and at.default_config(256, "metal").value_batch == 4
-    plan = at.plan_decode(1, 32, 16, 1, 1056, 256, "bfloat16", "bfloat16", 1024, which="cuda")
-    assert dict(plan.partial_template)["VB"] == 16
 
 
 def test_cuda_one_kv_head_keeps_min_groups():

@@ -104,8 +104,6 @@ def test_kernel_matches_oracle(name, n_q, n_kv, D, layout, dtype):
     at.AttentionConfig(rows=16, simd_groups=8, tile=64, min_chunk=128, target_groups=1024),
     at.AttentionConfig(rows=4, simd_groups=4, tile=8, min_chunk=64, target_groups=64),
     at.AttentionConfig(rows=16, simd_groups=4, tile=32, min_chunk=32, target_groups=8192, max_parts=512),
-    at.AttentionConfig(rows=16, simd_groups=8, tile=64, min_chunk=128, target_groups=1024, value_batch=8),
-    at.AttentionConfig(rows=4, simd_groups=4, tile=16, min_chunk=64, target_groups=256, value_batch=16),
 ])  # fmt: skip
 def test_geometries(config):
     """Other geometries: query tiles (several per kv head), tiles, partition sizes; D = 512 and 256."""
@@ -230,28 +228,6 @@ def test_fused_kernel_equals_the_two_launches(name, n_q, n_kv, D, layout, dtype)
         _check(fused, want, bound, dtype, f"{name} M={M} {dtype} fused, {plan.parts} partitions")
         assert mx.array_equal(fused, two).item(), f"{name} M={M} {dtype}: not the two launches' bits"
         assert not np.array(counters).any(), f"{name} M={M}: counters not reset"
-
-
-@pytest.mark.parametrize("name, n_q, n_kv, D, layout", SHAPES, ids=[s[0] for s in SHAPES])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_value_batch_keeps_the_bits(name, n_q, n_kv, D, layout, dtype):
-    """The values loaded 4, 8 or 16 slots at a time (AttentionConfig.value_batch): the same output
-    bits as 4 at a time (the same arithmetic in the same order), at M = 1 and 8, through the
-    dispatch (one launch where it applies) and the two launches."""
-    rng = np.random.default_rng(zlib.crc32(name.encode()) + D + 11)
-    base = at.default_config(D)
-    for M in (1, 8):
-        pos, qpos, window, n_slots = _layout(name, layout, M)
-        args, want, bound = _problem(rng, 1, n_q, n_kv, M, D, pos, qpos, window, dtype, n_slots)
-        outs = {}
-        for vb in (4, 8, 16):
-            config = at.AttentionConfig(**{**base.__dict__, "value_batch": vb})
-            outs[vb] = at.launch_decode_attention(*args, window, n_slots=n_slots, config=config, init_value=NAN)
-            _check(outs[vb], want, bound, dtype, f"{name} M={M} {dtype} value_batch={vb}")
-        assert mx.array_equal(outs[8], outs[4]).item() and mx.array_equal(outs[16], outs[4]).item(), (name, M, dtype)
-        if custom_kernels.backend() == "cuda":  # the default (one launch for the rings at M = 1) too
-            fused = at.decode_attention(*args, window, n_slots=n_slots, counters=at.new_attention_counters())
-            assert mx.array_equal(fused, outs[4]).item(), (name, M, dtype)
 
 
 @pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="g4_attn_decode is CUDA only")
