@@ -641,8 +641,8 @@ TILES_SHAPES = [("31B", "ffn_gate/up", "dense", 21504, 5376), ("31B", "attn_q|k|
                 ("12B", "ffn_gate|up", "gate_up", 15360, 3840), ("12B", "attn_o", "dense", 3840, 4096),
                 ("E4B", "ffn_gate|up", "gate_up", 10240, 2560), ("E4B", "ffn_down", "dense", 2560, 10240),
                 ("E4B", "attn_q|k|v", "dense", 4096, 2560), ("26B-A4B", "attn_q|k|v(s)", "dense", 12288, 2816)]  # fmt: skip
-"""(model, tensor, kind, N or F, K) of the tiles comparison: the dense projections of one token
-that the tiles kernels take (K <= 12,288), gate|up fused."""
+"""(model, tensor, kind, N or F, K) of the tiles comparison: one-token dense projections the tiles
+kernels can take (K <= 12,288; the model routes K 3840..6144 to them), gate|up fused."""
 TILES_CONFIGS = tuple(qt.TilesConfig(w, c) for w, c in ((8, 1), (8, 2), (8, 4), (8, 8), (4, 4)))
 
 

@@ -2600,8 +2600,8 @@ def quant_matvec(x: mx.array, blocks: mx.array, ggml_type: int, n: int) -> mx.ar
 
 def _dense_route(x: mx.array, ggml_type: int, n: int) -> str:
     """What quant_matvec runs for x [..., K]: "reference" (kernels off, or not 1..8 rows), "tiles",
-    "runs", "runs_m", "stream", "mma" (Q4_0 on CUDA) or "fma" (the f32-FMA dense kernel: every type, both
-    backends)."""
+    "runs", "runs_m", "stream", "mma" (Q4_0 on CUDA) or "fma" (the f32-FMA dense kernel: every
+    type, both backends)."""
     k, m = x.shape[-1], math.prod(x.shape[:-1])
     if not use_kernel("quant_matvec") or not 1 <= m <= MAX_ROWS:
         return "reference"
@@ -2638,10 +2638,10 @@ def gate_up(x: mx.array, blocks: mx.array, ggml_type: int, f: int, one_expert: m
     """Dense fused gate/up (an MLP's gate_proj and up_proj stored as one matrix): x [..., K],
     Q4_0 / Q8_0 blocks [2F, ...] whose rows 0..F-1 are gate and F..2F-1 up -> gelu_tanh(gate) * up
     [..., F] in x.dtype. With family quant_matvec_tiles on (a CUDA default), one bf16 token with
-    Q4_0 blocks on Hopper and K in its range takes its kernel (custom_kernels.quant_tiles). One row on a GPU: the expert
-    gate/up kernel with the matrix as the only
-    expert (one launch, f32 product rounded once), split K on CUDA (H200 31B step: 97 -> 82 us
-    against the stream kernel); for Q4_0 on CUDA with bf16 x and K a multiple of 256 the runs
+    Q4_0 blocks on Hopper and K in its range takes its kernel (custom_kernels.quant_tiles). Other
+    single rows on a GPU: the expert gate/up kernel with the matrix as the only expert (one
+    launch, f32 product rounded once), split K on CUDA (H200 31B step: 97 -> 82 us against the
+    stream kernel); for Q4_0 on CUDA with bf16 x and K a multiple of 256 the runs
     kernel instead (family gate_up_runs; its staged 16-row form: 31B 102 -> 62 us, E4B 37-45 ->
     17.5 us per layer). 2..8 rows of bf16 x with Q4_0 blocks on CUDA (family quant_matvec_runs_m):
     the runs16m kernel (one launch, f32 product rounded once; 31B at M = 8: 123 -> 51.5 us). Other

@@ -4,19 +4,20 @@
     gu = launch_gate_up_tiles(x, blocks, f)     # gelu_tanh(x @ W[:F].T) * (x @ W[F:].T) -> [..., F]
 
 Op family "quant_matvec_tiles". Kernels ``g4_q4_0_matvec_tiles`` / ``g4_q4_0_gate_up_tiles``: a
-threadgroup takes a tile of 16 weight rows (dense: 16 consecutive rows; gate|up: 8 gate rows and the
-8 up rows of the same outputs) and copies them *whole* into shared memory: one bulk copy
-(cp.async.bulk) per row, so the tile's bytes are one contiguous stretch of the tensor (two for
-gate|up), and the threadgroups, scheduled in index order, read the weights front to back. Its NW
-warps then take the tile's 256-weight steps in turn (warp w: steps w, w + NW, ...) with the
-runs16m kernels' tensor-core arithmetic (tokens are mma's 8 columns, rows g and g + 8 its A rows),
-and the warps' partial sums are added in warp order.
+thread block takes a tile of 16 weight rows (dense: 16 consecutive rows; gate|up: 8 gate rows and
+the 8 up rows of the same outputs) and copies them *whole* into shared memory: lanes 0..15 of warp
+0 bulk-copy (cp.async.bulk) a row each, in NC chunks along K with a barrier per chunk, so the tile's
+bytes are one contiguous stretch of the tensor (two for gate|up), read front to back. Its NW warps
+take the tile's 256-weight steps in turn (warp w: steps w, w + NW, ..., each waiting for its
+chunk) with the runs16m kernels' tensor-core arithmetic (tokens are mma's 8 columns, rows g and
+g + 8 its A rows), and the warps' partial sums are added in warp order.
 
-Why (bench/NOTES.md, session 23): the decode step runs its projections one call at a time, and
-one call at a time the read order decides the rate. On the 31B FFN gate's 65 MB a read probe in
-grid-stride order reaches 86% of copy alone, one warp reading its 4 rows front to back 75%, while
-the runs16 kernels, whose warps each walk 16 rows 288 bytes at a time (every warp in its own part
-of the tensor, the whole grid one wave), read at 53% (32 us for 22 us back to back).
+Why (bench/NOTES.md, session 23): the decode step runs its projections one call at a time, where
+the runs16 kernels read the 31B FFN gate's 65 MB at 53% of copy (32 us; 22 us back to back) and a
+grid-stride read probe at 86%. Their warps each walk 16 rows 288 bytes at a time, all in one wave;
+whole rows front to back were the guess. Measured one call at a time it gains 3-9% at K = 3840-5376
+(28% on 26B-A4B's q|k|v), not the probe's 35%: the work per weight bounds both kernels. In one
+process 31B decode at 4K went from 85.4 to 90.2 tok/s with it.
 
 Shared memory: the tile's 16 rows at a stride of an odd number of 16-byte words (the row's bytes,
 plus 16 when they are an even number of words), so that lane (g, t)'s 4-byte reads of rows g = 0..7

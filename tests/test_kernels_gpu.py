@@ -438,13 +438,12 @@ def test_q4_0_runs_kernels(n, k):
         assert mx.array_equal(qm.launch_dense_runs(x, blocks, n, cfg), qm.launch_dense_runs(x, blocks, n, cfg)).item()
 
 
-@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
-@pytest.mark.parametrize("n,k", [(2048, 5376), (1003, 2560), (77, 21504), (40, 256), (300, 768)])
-def test_q4_0_runs_m_kernels(n, k):
-    """The runs16m kernels (dense and gate|up) at M = 1, 2, 5, 8 (x with lead dims too), every warp
-    and stage count, on aligned blocks and x and on blocks and x that start 2 bytes past a 16-byte
-    boundary (the 2-byte copy fallback); outputs poisoned first; bit for bit run to run."""
-    rng = np.random.default_rng(47)
+def _check_token_kernels(n: int, k: int, seed: int, configs, dense, gate_up, name: str) -> None:
+    """dense(x, blocks, n, cfg, init_value=...) and gate_up(x, blocks, f, cfg, init_value=...) of
+    1..8-token Q4_0 kernels against float64 at M = 1, 2, 5, 8 (x with lead dims too), each config,
+    on aligned blocks and x and on blocks and x that start 2 bytes past a 16-byte boundary; outputs
+    poisoned first; bit for bit run to run."""
+    rng = np.random.default_rng(seed)
     raw = qm.random_blocks(rng, qm.Q4_0, (n,), k)
     w64 = qm.dequantize_f64(raw, qm.Q4_0)
     f = n // 2
@@ -455,54 +454,64 @@ def test_q4_0_runs_m_kernels(n, k):
         want, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
         gu_want, gu_bound = _gelu_times(want[:, : 2 * f], bound[:, : 2 * f], f)
         x_off = _misaligned_bf16(x, 2)
-        for cfg in (qm.RunsMConfig(1, 1), qm.RunsMConfig(2, 2), qm.RunsMConfig(4, 2), qm.RunsMConfig(8, 4),
-                    qm.RunsMConfig(4, 3)):  # fmt: skip
+        for cfg in configs:
             for what, xx, bb, bb2 in (("aligned", x, blocks, blocks_gu),
                                       ("misaligned", x_off, _misaligned(raw, 2), _misaligned(raw[: 2 * f], 2))):  # fmt: skip
-                out = qm.launch_dense_runs_m(xx, bb, n, cfg, init_value=NAN)
+                out = dense(xx, bb, n, cfg, init_value=NAN)
                 assert out.shape == (m, n) and out.dtype == mx.bfloat16
-                _check(out, want, bound, mx.bfloat16, f"runs16m dense {what} M={m} N={n} K={k} {cfg}")
-                gu = qm.launch_gate_up_runs_m(xx, bb2, f, cfg, init_value=NAN)
+                _check(out, want, bound, mx.bfloat16, f"{name} dense {what} M={m} N={n} K={k} {cfg}")
+                gu = gate_up(xx, bb2, f, cfg, init_value=NAN)
                 assert gu.shape == (m, f)
-                _check(gu, gu_want, gu_bound, mx.bfloat16, f"runs16m gate_up {what} M={m} F={f} K={k} {cfg}")
-            for again in (lambda: qm.launch_dense_runs_m(x, blocks, n, cfg), lambda: qm.launch_gate_up_runs_m(x, blocks_gu, f, cfg),
-                          lambda: qm.launch_dense_runs_m(x_off, _misaligned(raw, 2), n, cfg)):  # fmt: skip
+                _check(gu, gu_want, gu_bound, mx.bfloat16, f"{name} gate_up {what} M={m} F={f} K={k} {cfg}")
+            for again in (lambda: dense(x, blocks, n, cfg), lambda: gate_up(x, blocks_gu, f, cfg),
+                          lambda: dense(x_off, _misaligned(raw, 2), n, cfg)):  # fmt: skip
                 assert mx.array_equal(again(), again()).item(), cfg
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
+@pytest.mark.parametrize("n,k", [(2048, 5376), (1003, 2560), (77, 21504), (40, 256), (300, 768)])
+def test_q4_0_runs_m_kernels(n, k):
+    """The runs16m kernels (dense and gate|up), every warp and stage count, as _check_token_kernels
+    runs them (the misaligned inputs take the 2-byte copy fallback)."""
+    configs = (qm.RunsMConfig(1, 1), qm.RunsMConfig(2, 2), qm.RunsMConfig(4, 2), qm.RunsMConfig(8, 4), qm.RunsMConfig(4, 3))
+    _check_token_kernels(n, k, 47, configs, qm.launch_dense_runs_m, qm.launch_gate_up_runs_m, "runs16m")
 
 
 @pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
 @pytest.mark.parametrize("n,k", [(2048, 5376), (1003, 2560), (77, 8192), (40, 256), (300, 768)])
 def test_q4_0_tiles_kernels(n, k):
-    """The tiles kernels (custom_kernels.quant_tiles, dense and gate|up) at M = 1, 2, 5, 8 (x with
-    lead dims too), every warp and chunk count, on aligned blocks and x and on blocks and x that start 2
-    bytes past a 16-byte boundary (the 2-byte copy and x fallbacks); outputs poisoned first; bit
-    for bit run to run."""
+    """The tiles kernels (custom_kernels.quant_tiles, dense and gate|up), every warp and chunk
+    count, as _check_token_kernels runs them (the misaligned inputs take the 2-byte copy and x
+    fallbacks)."""
     from custom_kernels import quant_tiles as qt
 
-    rng = np.random.default_rng(53)
-    raw = qm.random_blocks(rng, qm.Q4_0, (n,), k)
+    configs = (qt.TilesConfig(1, 1), qt.TilesConfig(2, 8), qt.TilesConfig(4, 2), qt.TilesConfig(8, 4), qt.TilesConfig(8, 1))
+    _check_token_kernels(n, k, 53, configs, qt.launch_dense_tiles, qt.launch_gate_up_tiles, "tiles")
+
+
+def _check_dispatch(monkeypatch, module, names: tuple[str, str], k: int, shapes, seed: int) -> None:
+    """q4_0_matvec and gate_up on bf16 x of each shape (300 Q4_0 rows of K = k) launch module's
+    `names` (dense, gate|up; wrapped to record it) and stay within the reference bound."""
+    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
+    launched = []
+    for name in names:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw))
+    rng = np.random.default_rng(seed)
+    raw = qm.random_blocks(rng, qm.Q4_0, (300,), k)
     w64 = qm.dequantize_f64(raw, qm.Q4_0)
-    f = n // 2
-    blocks, blocks_gu = mx.array(raw), mx.array(raw[: 2 * f])
-    for m, lead in ((1, (1,)), (2, (2,)), (5, (5,)), (8, (2, 4))):
-        x, x64 = _acts(rng, (*lead, k), mx.bfloat16)
-        x64 = x64.reshape(m, k)
-        want, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
-        gu_want, gu_bound = _gelu_times(want[:, : 2 * f], bound[:, : 2 * f], f)
-        x_off = _misaligned_bf16(x, 2)
-        for cfg in (qt.TilesConfig(1, 1), qt.TilesConfig(2, 8), qt.TilesConfig(4, 2), qt.TilesConfig(8, 4),
-                    qt.TilesConfig(8, 1)):  # fmt: skip
-            for what, xx, bb, bb2 in (("aligned", x, blocks, blocks_gu),
-                                      ("misaligned", x_off, _misaligned(raw, 2), _misaligned(raw[: 2 * f], 2))):  # fmt: skip
-                out = qt.launch_dense_tiles(xx, bb, n, cfg, init_value=NAN)
-                assert out.shape == (m, n) and out.dtype == mx.bfloat16
-                _check(out, want, bound, mx.bfloat16, f"tiles dense {what} M={m} N={n} K={k} {cfg}")
-                gu = qt.launch_gate_up_tiles(xx, bb2, f, cfg, init_value=NAN)
-                assert gu.shape == (m, f)
-                _check(gu, gu_want, gu_bound, mx.bfloat16, f"tiles gate_up {what} M={m} F={f} K={k} {cfg}")
-            for again in (lambda: qt.launch_dense_tiles(x, blocks, n, cfg), lambda: qt.launch_gate_up_tiles(x, blocks_gu, f, cfg),
-                          lambda: qt.launch_dense_tiles(x_off, _misaligned(raw, 2), n, cfg)):  # fmt: skip
-                assert mx.array_equal(again(), again()).item(), cfg
+    for shape in shapes:
+        launched.clear()
+        x, x64 = _acts(rng, shape, mx.bfloat16)
+        x64 = x64.reshape(-1, k)
+        out = qm.q4_0_matvec(x, mx.array(raw), 300)
+        assert out.shape == (*shape[:-1], 300)
+        _check(out.reshape(-1, 300), x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, mx.bfloat16, f"dispatch {shape}")
+        gu = qm.gate_up(x, mx.array(raw), qm.Q4_0, 150)
+        assert gu.shape == (*shape[:-1], 150)
+        g_want, g_bound = _gelu_times(x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, 150)
+        _check(gu.reshape(-1, 150), g_want, g_bound, mx.bfloat16, f"gate_up dispatch {shape}")
+        assert launched == list(names), shape
 
 
 @pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
@@ -512,52 +521,15 @@ def test_q4_0_tiles_dispatch(monkeypatch):
     bound."""
     from custom_kernels import quant_tiles as qt
 
-    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
-    launched = []
-    for name in ("launch_dense_tiles", "launch_gate_up_tiles"):
-        real = getattr(qt, name)
-        monkeypatch.setattr(qt, name, lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw))
-    rng = np.random.default_rng(59)
-    raw = qm.random_blocks(rng, qm.Q4_0, (300,), 3840)
-    w64 = qm.dequantize_f64(raw, qm.Q4_0)
-    for shape in ((1, 3840), (1, 1, 3840)):
-        launched.clear()
-        x, x64 = _acts(rng, shape, mx.bfloat16)
-        x64 = x64.reshape(-1, 3840)
-        out = qm.q4_0_matvec(x, mx.array(raw), 300)
-        assert out.shape == (*shape[:-1], 300)
-        _check(out.reshape(-1, 300), x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, mx.bfloat16, f"dispatch {shape}")
-        gu = qm.gate_up(x, mx.array(raw), qm.Q4_0, 150)
-        assert gu.shape == (*shape[:-1], 150)
-        g_want, g_bound = _gelu_times(x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, 150)
-        _check(gu.reshape(-1, 150), g_want, g_bound, mx.bfloat16, f"gate_up dispatch {shape}")
-        assert launched == ["launch_dense_tiles", "launch_gate_up_tiles"], shape
+    _check_dispatch(monkeypatch, qt, ("launch_dense_tiles", "launch_gate_up_tiles"), 3840, ((1, 3840), (1, 1, 3840)), 59)
 
 
 @pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
 def test_q4_0_runs_m_dispatch(monkeypatch):
     """With family quant_matvec_runs_m on (a CUDA default), 2..8 bf16 tokens with Q4_0 blocks (dense
     and gate|up) go to the runs16m kernels and stay as accurate as the reference bound."""
-    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
-    launched = []
-    for name in ("launch_dense_runs_m", "launch_gate_up_runs_m"):
-        real = getattr(qm, name)
-        monkeypatch.setattr(qm, name, lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw))
-    rng = np.random.default_rng(49)
-    raw = qm.random_blocks(rng, qm.Q4_0, (300,), 1024)
-    w64 = qm.dequantize_f64(raw, qm.Q4_0)
-    for shape in ((2, 1024), (1, 3, 1024), (8, 1024)):
-        launched.clear()
-        x, x64 = _acts(rng, shape, mx.bfloat16)
-        x64 = x64.reshape(-1, 1024)
-        out = qm.q4_0_matvec(x, mx.array(raw), 300)
-        assert out.shape == (*shape[:-1], 300)
-        _check(out.reshape(-1, 300), x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, mx.bfloat16, f"dispatch {shape}")
-        gu = qm.gate_up(x, mx.array(raw), qm.Q4_0, 150)
-        assert gu.shape == (*shape[:-1], 150)
-        g_want, g_bound = _gelu_times(x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, 150)
-        _check(gu.reshape(-1, 150), g_want, g_bound, mx.bfloat16, f"gate_up dispatch {shape}")
-        assert launched == ["launch_dense_runs_m", "launch_gate_up_runs_m"], shape
+    _check_dispatch(monkeypatch, qm, ("launch_dense_runs_m", "launch_gate_up_runs_m"), 1024,
+                    ((2, 1024), (1, 3, 1024), (8, 1024)), 49)  # fmt: skip
 
 
 @pytest.mark.skipif(custom_kernels.backend() != "cuda", reason="CUDA-only kernels (tensor cores, Hopper bulk copies)")
