@@ -2531,7 +2531,8 @@ def _use_runs(x_dtype: mx.Dtype, k: int, family: str) -> bool:
 def _use_tiles(x_dtype: mx.Dtype, k: int) -> bool:
     """A tiles kernel (custom_kernels.quant_tiles) for this one-token Q4_0 call? Family
     "quant_matvec_tiles" on (a CUDA default), CUDA on Hopper, bf16 x, K a multiple of 256 in
-    [TILES_MIN_K, TILES_MAX_K] (the 31B and 12B projections but their FFN down). (The
+    [TILES_MIN_K, TILES_MAX_K] (31B q|k|v and gate|up, 12B's projections but FFN down, 26B-A4B's
+    o_proj). (The
     kernels take 1..8 tokens, but at M = 8 they were slower than the runs16m kernels on the H200:
     every warp reads its tokens' x from L2, bench/NOTES.md session 23.)"""
     return (backend() == "cuda" and use_kernel("quant_matvec_tiles") and _arch_at_least(BULK_ARCH)

@@ -15,7 +15,7 @@ g + 8 its A rows), and the warps' partial sums are added in warp order.
 Why (bench/NOTES.md, session 23): the decode step runs its projections one call at a time, where
 the runs16 kernels read the 31B FFN gate's 65 MB at 53% of copy (32 us; 22 us back to back) and a
 grid-stride read probe at 86%. Their warps each walk 16 rows 288 bytes at a time, all in one wave;
-whole rows front to back were the guess. Measured one call at a time it gains 3-9% at K = 3840-5376
+whole rows front to back were the guess. Measured one call at a time it gains 2-9% at K = 3840-5376
 (28% on 26B-A4B's q|k|v), not the probe's 35%: the work per weight bounds both kernels. In one
 process 31B decode at 4K went from 85.4 to 90.2 tok/s with it.
 
@@ -43,8 +43,10 @@ __all__ = ["TilesConfig", "default_tiles_config", "tiles_supported", "tiles_row_
            "TILES_MIN_K", "TILES_MAX_K"]  # fmt: skip
 
 TILES_SHARED_LIMIT = 110 * 1024
-"""Dynamic shared memory of one tile at most (two threadgroups per SM at least): K <= 12,288 (the
-31B FFN down, K = 21504, keeps the runs kernels)."""
+"""Dynamic shared memory of one tile at most: K <= 12,288 (the 31B FFN down, K = 21504, keeps the
+runs kernels). Two thread blocks per SM still fit at that K with 8 warps, but only just (2 x
+(110.8 KB dynamic + 4.2 KB static part_s + 1 KB reserved) of 228 KB): a larger part_s would halve
+the occupancy there."""
 
 TILES_GEOMETRY_ENV = "GEMMA4_MLX_TILES_GEOMETRY"
 """TilesConfig fields over the default, e.g. "warps=8" (tuning)."""
@@ -86,7 +88,7 @@ TILES_MIN_K = 3840
 TILES_MAX_K = 6144
 """The model routes one-token rows to the tiles kernels for K in [TILES_MIN_K, TILES_MAX_K] only,
 as measured one call at a time on the H200 (bench/NOTES.md, session 23): at K = 5376 (31B q|k|v,
-gate|up) and 3840-4096 (12B gate|up, o_proj) 3-9% faster than the runs kernels; at K = 8192 (31B
+gate|up) and 3840-4096 (12B gate|up, o_proj) 2-9% faster than the runs kernels; at K = 8192 (31B
 o_proj) and 10240 (E4B down) 1.3-1.7x slower; at K = 2560 (E4B gate|up) slower and at 2816
 (26B-A4B q|k|v) faster per call, but neither model's decode gained in one process."""
 
@@ -298,14 +300,15 @@ def _cases(kind: str):
     """Every token count class (1, odd, 8; lead dims), partial last tiles, every warp and chunk
     count, warps without a step and chunks without steps (K = 256 at 8 warps, 8 chunks), a last chunk
     shorter than the others (K = 5376: 21 steps in chunks of 6), a row stride with padding (K = 2560:
-    90 words) and without (K = 768, 5376)."""
+    90 words) and without (K = 768, 5376), a tile past 48 KB of shared memory (K = 6144, the largest
+    the model routes there)."""
 
     def make(rng: np.random.Generator):
         c = TilesConfig
         if kind == "dense":
             return [_case(rng, kind, 37, 5376, c(4, 4), 8), _case(rng, kind, 45, 2560, c(2, 1), 1),
                     _case(rng, kind, 16, 256, c(8, 8), 3), _case(rng, kind, 130, 768, c(1, 2), 6, (2, 3)),
-                    _case(rng, kind, 9, 2816, c(8, 4), 1)]  # fmt: skip
+                    _case(rng, kind, 9, 2816, c(8, 4), 1), _case(rng, kind, 19, 6144, c(8, 4), 1)]  # fmt: skip
         return [_case(rng, kind, 11, 5376, c(8, 4), 1), _case(rng, kind, 13, 512, c(1, 8), 2),
                 _case(rng, kind, 21, 768, c(2, 1), 7, (7, 1)), _case(rng, kind, 70, 2560, c(8, 2), 1),
                 _case(rng, kind, 5, 2816, c(4, 4), 4)]  # fmt: skip

@@ -441,8 +441,8 @@ def test_q4_0_runs_kernels(n, k):
 def _check_token_kernels(n: int, k: int, seed: int, configs, dense, gate_up, name: str) -> None:
     """dense(x, blocks, n, cfg, init_value=...) and gate_up(x, blocks, f, cfg, init_value=...) of
     1..8-token Q4_0 kernels against float64 at M = 1, 2, 5, 8 (x with lead dims too), each config,
-    on aligned blocks and x and on blocks and x that start 2 bytes past a 16-byte boundary; outputs
-    poisoned first; bit for bit run to run."""
+    on aligned blocks and x, and with blocks, x or both starting 2 bytes past a 16-byte boundary;
+    outputs poisoned first; bit for bit run to run."""
     rng = np.random.default_rng(seed)
     raw = qm.random_blocks(rng, qm.Q4_0, (n,), k)
     w64 = qm.dequantize_f64(raw, qm.Q4_0)
@@ -456,7 +456,9 @@ def _check_token_kernels(n: int, k: int, seed: int, configs, dense, gate_up, nam
         x_off = _misaligned_bf16(x, 2)
         for cfg in configs:
             for what, xx, bb, bb2 in (("aligned", x, blocks, blocks_gu),
-                                      ("misaligned", x_off, _misaligned(raw, 2), _misaligned(raw[: 2 * f], 2))):  # fmt: skip
+                                      ("misaligned", x_off, _misaligned(raw, 2), _misaligned(raw[: 2 * f], 2)),
+                                      ("x misaligned", x_off, blocks, blocks_gu),
+                                      ("weights misaligned", x, _misaligned(raw, 2), _misaligned(raw[: 2 * f], 2))):  # fmt: skip
                 out = dense(xx, bb, n, cfg, init_value=NAN)
                 assert out.shape == (m, n) and out.dtype == mx.bfloat16
                 _check(out, want, bound, mx.bfloat16, f"{name} dense {what} M={m} N={n} K={k} {cfg}")

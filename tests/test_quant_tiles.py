@@ -1,6 +1,7 @@
 """custom_kernels.quant_tiles on the CPU: launch plans, shared-memory layout, refusals and the
 routing of quant_matvec / gate_up when family quant_matvec_tiles is on (CUDA faked, launches
-stubbed). The kernels themselves run in tests/test_quant_tiles_gpu.py and the registry cases."""
+stubbed). The kernels themselves run in tests/test_kernels_gpu.py (-k tiles) and
+tests/test_registry_cases_gpu.py."""
 
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ def test_routing_on_cuda(monkeypatch):
              ((2, 1, 3840), mx.bfloat16, qm.Q4_0, False), ((1, 2560), mx.bfloat16, qm.Q4_0, False),
              ((1, 2816), mx.bfloat16, qm.Q4_0, False), ((1, 8192), mx.bfloat16, qm.Q4_0, False),
              ((1, 21504), mx.bfloat16, qm.Q4_0, False), ((1, 5376), mx.float32, qm.Q4_0, False),
+             ((1, 6144), mx.bfloat16, qm.Q4_0, True), ((1, 6400), mx.bfloat16, qm.Q4_0, False),
+             ((1, 3584), mx.bfloat16, qm.Q4_0, False),
              ((1, 5376), mx.bfloat16, qm.Q8_0, False))  # fmt: skip
     for off in ("", "quant_matvec_tiles"):
         monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, off)
