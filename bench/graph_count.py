@@ -39,7 +39,7 @@ from hardware import commit, hardware_info, sources_digest  # noqa: E402
 from step_settings import model_config  # noqa: E402
 
 import custom_kernels  # noqa: E402
-from custom_kernels import attention, matvec_norm, moe_experts, norm, quant_matvec, quant_tiles, router, sampling  # noqa: E402
+from custom_kernels import attention, matvec_norm, moe_experts, norm, quant_matvec, router, sampling  # noqa: E402
 
 _ZEROS: dict = {}
 _FAST_CALLS: collections.Counter = collections.Counter()  # stand-in mx.fast ops, by GPU primitive name
@@ -80,7 +80,7 @@ PRETEND_ARCH = 90
 """The compute capability pretend_cuda reports: the H200's (Hopper), where the step was measured."""
 
 
-PRETEND_MODULES = (custom_kernels, quant_matvec, quant_tiles, attention, sampling, norm, moe_experts, router, matvec_norm)
+PRETEND_MODULES = (custom_kernels, quant_matvec, attention, sampling, norm, moe_experts, router, matvec_norm)
 """The modules whose backend() pretend_cuda answers "cuda" (each imported it by name)."""
 
 

@@ -2313,13 +2313,23 @@ def launch_gate_up_runs_m(x: mx.array, blocks: mx.array, f: int, config: RunsMCo
 
 
 def _launch_runs_m(kind, x, blocks, rows, n, config, init_value, out_shape):
+    cfg = config or default_runs_m_config()
+    return launch_hopper_q4_0("runs16m", _runs_m_def(kind), x, blocks, rows,
+                              lambda: plan_runs_m(kind, math.prod(x.shape[:-1]), n, x.shape[-1], cfg),
+                              runs_m_shared_bytes(cfg), init_value, out_shape)  # fmt: skip
+
+
+def launch_hopper_q4_0(what: str, kdef, x: mx.array, blocks: mx.array, rows: int, make_plan, shared: int,
+                       init_value: float | None, out_shape: tuple[int, ...] | None) -> mx.array:  # fmt: skip
+    """One launch of a Hopper-only Q4_0 kernel of 1..8 tokens (runs16m, custom_kernels.quant_tiles):
+    bf16 x [..., K], blocks [rows, ...], the plan make_plan() returns, `shared` bytes of dynamic
+    shared memory; RuntimeError off a CUDA GPU of compute capability >= BULK_ARCH."""
     _need_bf16(x)
     _check_dense(x, blocks, Q4_0, rows)
-    cfg = config or default_runs_m_config()
-    plan = plan_runs_m(kind, math.prod(x.shape[:-1]), n, x.shape[-1], cfg)
+    plan = make_plan()
     if backend() != "cuda" or not _arch_at_least(BULK_ARCH):
-        raise RuntimeError(f"the runs16m kernels need a CUDA GPU of compute capability >= {BULK_ARCH}")
-    return _run(_runs_m_def(kind), [x, blocks], plan, x.dtype, init_value, out_shape, runs_m_shared_bytes(cfg))
+        raise RuntimeError(f"the {what} kernels need a CUDA GPU of compute capability >= {BULK_ARCH}")
+    return _run(kdef, [x, blocks], plan, x.dtype, init_value, out_shape, shared)
 
 
 RUNS_STAGE_BYTES = 16 * 288

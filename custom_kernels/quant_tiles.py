@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import backend, geometry_fields, replace_geometry
+from . import geometry_fields, replace_geometry
 from . import quant_matvec as qm
 from .dialect import prelude
 
@@ -273,12 +273,9 @@ def launch_gate_up_tiles(x: mx.array, blocks: mx.array, f: int, config: TilesCon
 
 
 def _launch(kind, x, blocks, rows, n, config, init_value, out_shape):
-    qm._need_bf16(x)
-    qm._check_dense(x, blocks, qm.Q4_0, rows)
-    plan = plan_tiles(kind, math.prod(x.shape[:-1]), n, x.shape[-1], config)
-    if backend() != "cuda" or not qm._arch_at_least(qm.BULK_ARCH):
-        raise RuntimeError(f"the tiles kernels need a CUDA GPU of compute capability >= {qm.BULK_ARCH}")
-    return qm._run(_DEFS[kind], [x, blocks], plan, x.dtype, init_value, out_shape, tiles_shared_bytes(x.shape[-1]))
+    return qm.launch_hopper_q4_0("tiles", _DEFS[kind], x, blocks, rows,
+                                 lambda: plan_tiles(kind, math.prod(x.shape[:-1]), n, x.shape[-1], config),
+                                 tiles_shared_bytes(x.shape[-1]), init_value, out_shape)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
