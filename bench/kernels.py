@@ -636,13 +636,23 @@ def sweep(dtype, quick, on_gpu):
 # --------------------------------------------------------------------------------------------
 
 
-TILES_SHAPES = [("31B", "ffn_gate/up", "dense", 21504, 5376), ("31B", "attn_q|k|v(s)", "dense", 16384, 5376),
-                ("31B", "attn_o(s)", "dense", 5376, 8192), ("31B", "ffn_gate|up", "gate_up", 21504, 5376),
-                ("12B", "ffn_gate|up", "gate_up", 15360, 3840), ("12B", "attn_o", "dense", 3840, 4096),
-                ("E4B", "ffn_gate|up", "gate_up", 10240, 2560), ("E4B", "ffn_down", "dense", 2560, 10240),
-                ("E4B", "attn_q|k|v", "dense", 4096, 2560), ("26B-A4B", "attn_q|k|v(s)", "dense", 12288, 2816)]  # fmt: skip
-"""(model, tensor, kind, N or F, K) of the tiles comparison: one-token dense projections the tiles
-kernels can take (K <= 12,288; the model routes K 3840..6144 to them), gate|up fused."""
+def tiles_shapes() -> list[tuple[str, str, str, int, int]]:
+    """(model, tensor, kind, N or F, K) of the tiles comparison, from MODELS: each model's one-token
+    dense rows as the model runs them (q|k|v fused, gate|up fused) at a sliding layer, and the FFN
+    down; the tiles kernels can take K <= 12,288, the model routes K 3840..6144 to them."""
+    out = []
+    for model in ("31B", "12B", "26B-A4B", "E4B"):
+        spec = MODELS[model]
+        proj = {name: (n, k) for name, n, k in spec["proj"]}
+        q, h = proj["attn_q(s)"]
+        out += [(model, "attn_q|k|v(s)", "dense", q + 2 * proj["attn_k/v(s)"][0], h),
+                (model, "attn_o(s)", "dense", *proj["attn_o(s)"]),
+                (model, "ffn_gate|up", "gate_up", proj["ffn_gate/up"][0], h)]
+        if proj["ffn_down"][1] <= 12288:
+            out.append((model, "ffn_down", "dense", *proj["ffn_down"]))
+    return out
+
+
 TILES_CONFIGS = tuple(qt.TilesConfig(w, c) for w, c in ((8, 1), (8, 2), (8, 4), (8, 8), (4, 4)))
 
 
@@ -659,16 +669,12 @@ def tiles_case(model, name, kind, n, k, ms, dtype, quick, on_gpu) -> list[dict]:
         x = mx.random.normal((m, k)).astype(dtype)
         mx.eval(x)
         nbytes = rows_n * rb + m * k * _dtype_bytes(dtype) + m * n * _dtype_bytes(dtype)
-        if kind == "gate_up":
-            variants = {"dispatch": lambda w: qm.gate_up(x, w, qm.Q4_0, n)}
-            if on_gpu and custom_kernels.backend() == "cuda" and qt.tiles_supported(dtype, k):
-                for cfg in TILES_CONFIGS:
-                    variants[f"tiles w{cfg.warps}c{cfg.chunks}"] = lambda w, c=cfg: qt.launch_gate_up_tiles(x, w, n, c)
-        else:
-            variants = {"dispatch": lambda w: qm.quant_matvec(x, w, qm.Q4_0, n)}
-            if on_gpu and custom_kernels.backend() == "cuda" and qt.tiles_supported(dtype, k):
-                for cfg in TILES_CONFIGS:
-                    variants[f"tiles w{cfg.warps}c{cfg.chunks}"] = lambda w, c=cfg: qt.launch_dense_tiles(x, w, n, c)
+        dispatch, tiles = ((lambda w: qm.gate_up(x, w, qm.Q4_0, n), qt.launch_gate_up_tiles) if kind == "gate_up"
+                           else (lambda w: qm.quant_matvec(x, w, qm.Q4_0, n), qt.launch_dense_tiles))  # fmt: skip
+        variants = {"dispatch": dispatch}
+        if on_gpu and custom_kernels.backend() == "cuda" and qt.tiles_supported(dtype, k):
+            for cfg in TILES_CONFIGS:
+                variants[f"tiles w{cfg.warps}c{cfg.chunks}"] = lambda w, c=cfg: tiles(x, w, n, c)
         for impl, fn in variants.items():
             calls = [lambda w=w, fn=fn: fn(w) for w in weights]
             out.append(dict(model=model, name=name, impl=impl, N=rows_n, K=k, M=m, sets=len(weights),
@@ -698,7 +704,7 @@ def focus(args, dtype, on_gpu, add, rows, sweep_rows, overhead_rows) -> None:
         add(gate_up_case(model, n, k, (1, 2, 4, 8), dtype, args.quick, on_gpu), rows)
         return
     if args.tiles:
-        shapes = [("tiny", "proj", "dense", 96, 256), ("tiny", "gate|up", "gate_up", 48, 512)] if args.quick else TILES_SHAPES
+        shapes = [("tiny", "proj", "dense", 96, 256), ("tiny", "gate|up", "gate_up", 48, 512)] if args.quick else tiles_shapes()
         for shape_model, name, kind, n, k in shapes:
             add(tiles_case(shape_model, name, kind, n, k, (1,), dtype, args.quick, on_gpu), rows)
         if not args.quick:

@@ -16,7 +16,7 @@ Why (bench/NOTES.md, session 23): the decode step runs its projections one call 
 the runs16 kernels read the 31B FFN gate's 65 MB at 53% of copy (32 us; 22 us back to back) and a
 grid-stride read probe at 86%. Their warps each walk 16 rows 288 bytes at a time, all in one wave;
 whole rows front to back were the guess. Measured one call at a time it gains 2-9% at K = 3840-5376
-(28% on 26B-A4B's q|k|v), not the probe's 35%: the work per weight bounds both kernels. In one
+(28% on a 12288 x 2816 matrix), not the probe's 35%: the work per weight bounds both kernels. In one
 process 31B decode at 4K went from 85.4 to 90.2 tok/s with it.
 
 Shared memory: the tile's 16 rows at a stride of an odd number of 16-byte words (the row's bytes,
@@ -89,8 +89,9 @@ TILES_MAX_K = 6144
 """The model routes one-token rows to the tiles kernels for K in [TILES_MIN_K, TILES_MAX_K] only,
 as measured one call at a time on the H200 (bench/NOTES.md, session 23): at K = 5376 (31B q|k|v,
 gate|up) and 3840-4096 (12B gate|up, o_proj) 2-9% faster than the runs kernels; at K = 8192 (31B
-o_proj) and 10240 (E4B down) 1.3-1.7x slower; at K = 2560 (E4B gate|up) slower and at 2816
-(26B-A4B q|k|v) faster per call, but neither model's decode gained in one process."""
+o_proj) and 10240 (E4B down) 1.3-1.7x slower; at K = 2560 (E4B gate|up) slower and at 2816 (a
+12288-row matrix) faster per call, but neither E4B's nor 26B-A4B's decode gained in one process
+with every row up to K = 6144 on it."""
 
 
 def tiles_supported(x_dtype: mx.Dtype, k: int) -> bool:
