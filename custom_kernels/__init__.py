@@ -27,7 +27,8 @@ from .dialect import compact_text, prune_helpers
 
 __all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "mlx_kernel_name", "clear_kernel_cache",
            "KernelSource", "MX_DTYPES", "cuda_arch", "dtype_name", "template_args", "KERNELS_ENV", "KERNELS_OFF_ENV", "UNPROVEN_ENV", "KERNEL_TEXT_ENV",
-           "PROVEN", "CUDA_ONLY", "FAMILIES", "geometry_override", "geometry_fields", "replace_geometry"]
+           "PROVEN", "CUDA_ONLY", "FAMILIES", "geometry_override", "geometry_fields", "replace_geometry",
+           "ticket_counters", "check_ticket_counters"]
 
 KERNELS_ENV = "GEMMA4_MLX_KERNELS"
 """Environment variable: ``reference`` forces the pure-MLX references even on a GPU build."""
@@ -158,6 +159,23 @@ def geometry_override(cfg, env: str):
     a GPU the defaults were not measured on. Unset or empty: cfg itself. Bad text: ValueError."""
     changes = geometry_fields(cfg, env)
     return replace_geometry(cfg, changes, env) if changes else cfg
+
+
+def ticket_counters(words: int) -> mx.array:
+    """Zeroed uint32 [words]: the counters of a kernel whose thread blocks take tickets (the last
+    one finishes the work and zeroes them for the next call); one array per call site or layer.
+    Made from host memory, not by mx.zeros: a lazy zeros op would sit in the graph that first uses
+    it, and a compiled step traced then would fill fresh counters every step (mx.compile merges the
+    layers' identical zeros ops into one buffer, which calls one after another may share)."""
+    import numpy as np
+
+    return mx.array(np.zeros(words, np.uint32))
+
+
+def check_ticket_counters(counters: mx.array, words: int, made_by: str) -> None:
+    """ValueError unless counters is uint32 [words] (what `made_by`() returns)."""
+    if counters.dtype != mx.uint32 or counters.shape != (words,):
+        raise ValueError(f"counters must be uint32 [{words}] ({made_by}()), got {counters.dtype} {counters.shape}")
 
 
 def backend() -> str:

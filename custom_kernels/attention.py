@@ -76,7 +76,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import KernelSource, backend, dtype_name, geometry_override, template_args, use_reference
+from . import (KernelSource, backend, check_ticket_counters, dtype_name, geometry_override, template_args, ticket_counters,
+                use_reference)
 from .dialect import prelude, render
 
 __all__ = [
@@ -602,9 +603,8 @@ ATTENTION_COUNTER_WORDS = 256
 
 def new_attention_counters() -> mx.array:
     """The zeroed uint32 counters one sequence of fused decode-attention calls shares (one per
-    layer), from host memory (see moe_experts.new_counters: a lazy zeros op would be one buffer
-    for all)."""
-    return mx.array(np.zeros(ATTENTION_COUNTER_WORDS, np.uint32))
+    layer): custom_kernels.ticket_counters."""
+    return ticket_counters(ATTENTION_COUNTER_WORDS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -789,9 +789,7 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
     bound = _slots_array(n_slots, S)
     inputs = [q, k_cache, v_cache, positions.astype(mx.int32), q_positions.astype(mx.int32), bound]
     if counters is not None and fused_supported(plan):
-        if counters.dtype != mx.uint32 or counters.shape != (ATTENTION_COUNTER_WORDS,):
-            raise ValueError(f"counters must be uint32 [{ATTENTION_COUNTER_WORDS}] (new_attention_counters()), "
-                             f"got {counters.dtype} {counters.shape}")  # fmt: skip
+        check_ticket_counters(counters, ATTENTION_COUNTER_WORDS, "new_attention_counters")
         *_, out = _FUSED.kernel()(
             inputs=[*inputs, counters],
             template=template_args(plan.partial_template),

@@ -24,7 +24,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from . import KernelSource, backend, dtype_name, template_args, use_kernel, use_reference
+from . import KernelSource, backend, check_ticket_counters, dtype_name, template_args, ticket_counters, use_kernel, use_reference
 from . import norm as _norm
 from . import quant_matvec as qm
 from .dialect import emit
@@ -90,9 +90,9 @@ _SOURCES = {t: _source(t) for t in (qm.Q4_0, qm.Q8_0)}
 
 
 def new_matvec_norm_counters() -> mx.array:
-    """The zeroed uint32 counters of one call site (one per use in a layer), from host memory
-    (see moe_experts.new_counters: a lazy zeros op would be one buffer for all)."""
-    return mx.array(np.zeros(COUNTER_WORDS, np.uint32))
+    """The zeroed uint32 counters of one call site (one per use in a layer):
+    custom_kernels.ticket_counters."""
+    return ticket_counters(COUNTER_WORDS)
 
 
 def _plan(ggml_type: int, dtype: str, n: int, k: int, scale: bool, nxt: bool, config: qm.KernelConfig | None = None):
@@ -127,9 +127,7 @@ def matvec_residual_norm(y: mx.array, blocks: mx.array, ggml_type: int, n: int, 
     ops otherwise. counters: ``new_matvec_norm_counters()``, the call site's."""
     if not matvec_norm_supported(y, ggml_type, n, h, w_a, w_next, scale):
         return _norm.residual_norm(h, qm.quant_matvec(y, blocks, ggml_type, n), w_a, w_next, eps, scale)
-    if counters.dtype != mx.uint32 or counters.shape != (COUNTER_WORDS,):
-        raise ValueError(f"counters must be uint32 [{COUNTER_WORDS}] (new_matvec_norm_counters()), got "
-                         f"{counters.dtype} {counters.shape}")  # fmt: skip
+    check_ticket_counters(counters, COUNTER_WORDS, "new_matvec_norm_counters")
     nxt = w_next is not None
     plan, template = _plan(ggml_type, dtype_name(y.dtype), n, y.shape[-1], scale is not None, nxt)
     _, out, x = _SOURCES[ggml_type].kernel()(

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import backend, cuda_arch, geometry_override, get_kernel, template_args, use_kernel
+from . import backend, check_ticket_counters, cuda_arch, geometry_override, get_kernel, template_args, ticket_counters, use_kernel
 from .dialect import prelude
 from .quant_matvec import (
     _MMA_HEADER_CUDA,
@@ -363,11 +363,9 @@ COUNTER_WORDS = 96
 
 
 def new_counters() -> mx.array:
-    """The zeroed uint32 [96] counters one sequence of q4_0_moe_experts calls shares (one per layer).
-    Made from host memory, not by mx.zeros: a lazy zeros op would sit in the graph that first uses
-    it, and a compiled step traced then would fill fresh counters every step (mx.compile merges the
-    layers' identical zeros ops into one buffer, which calls one after another may share)."""
-    return mx.array(np.zeros(COUNTER_WORDS, np.uint32))
+    """The zeroed uint32 [96] counters one sequence of q4_0_moe_experts calls shares (one per layer):
+    custom_kernels.ticket_counters."""
+    return ticket_counters(COUNTER_WORDS)
 
 
 def shared_bytes(slots: int, f: int, h: int, sets: int = SETS) -> int:
@@ -450,9 +448,7 @@ def q4_0_moe_experts(x: mx.array, ids: mx.array, weights: mx.array, gate_up_bloc
     if use_kernel("moe_one_launch"):
         cfg = geometry_override(MoeConfig(), MOE_GEOMETRY_ENV)
         if moe_experts_supported(x, ids, f, x.shape[-1], cfg):
-            if counters.dtype != mx.uint32 or counters.shape != (COUNTER_WORDS,):
-                raise ValueError(f"counters must be uint32 [{COUNTER_WORDS}] (new_counters()), got {counters.dtype} "
-                                 f"{counters.shape}")
+            check_ticket_counters(counters, COUNTER_WORDS, "new_counters")
             return launch_moe_experts(x, ids, weights, gate_up_blocks, down_blocks, counters, f, cfg)[0]
     gelu = q4_0_gate_up_gather(x, ids, gate_up_blocks, f)
     return q4_0_moe_down(gelu, ids, weights, down_blocks, x.shape[-1])

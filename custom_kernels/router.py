@@ -33,7 +33,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import KernelSource, backend, dtype_name, template_args, use_reference
+from . import KernelSource, backend, check_ticket_counters, dtype_name, template_args, ticket_counters, use_reference
 from .attention import _text as attention_text
 from .dialect import render
 
@@ -180,9 +180,9 @@ ROUTER_COUNTER_WORDS = 8
 
 
 def new_router_counters() -> mx.array:
-    """The zeroed uint32 counters one sequence of route_logits calls shares (one per MoE layer),
-    from host memory (see moe_experts.new_counters: a lazy zeros op would be one buffer for all)."""
-    return mx.array(np.zeros(ROUTER_COUNTER_WORDS, np.uint32))
+    """The zeroed uint32 counters one sequence of route_logits calls shares (one per MoE layer):
+    custom_kernels.ticket_counters."""
+    return ticket_counters(ROUTER_COUNTER_WORDS)
 
 
 def route_logits_supported(x: mx.array, w: mx.array, top_k: int) -> bool:
@@ -203,9 +203,7 @@ def route_logits(x: mx.array, w: mx.array, per_expert_scale: mx.array, top_k: in
     another (a MoE layer's)."""
     if not route_logits_supported(x, w, top_k):
         return route(router_logits(x, w), per_expert_scale, top_k)
-    if counters.dtype != mx.uint32 or counters.shape != (ROUTER_COUNTER_WORDS,):
-        raise ValueError(f"counters must be uint32 [{ROUTER_COUNTER_WORDS}] (new_router_counters()), got "
-                         f"{counters.dtype} {counters.shape}")  # fmt: skip
+    check_ticket_counters(counters, ROUTER_COUNTER_WORDS, "new_router_counters")
     e, rows = w.shape[0], int(np.prod(x.shape[:-1], dtype=np.int64))
     if per_expert_scale.shape != (e,):
         raise ValueError(f"per_expert_scale [E] expected for {e} experts, got {per_expert_scale.shape}")
