@@ -32,6 +32,10 @@ class KVCache:
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
+    def query_positions(self, t: int) -> mx.array:
+        """int32 [t]: the positions of the next t tokens (before their update)."""
+        return self.offset + mx.arange(t, dtype=mx.int32)
+
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
         if self.max_size is not None and needed > self.max_size:
             raise ValueError(f"KV cache is full: {needed} positions needed, --max-kv-size is {self.max_size}")
@@ -90,6 +94,10 @@ class RotatingKVCache:
         self.values: mx.array | None = None
         self.positions: mx.array | None = None  # [capacity] int32, -1 = empty
         self.offset = 0  # number of positions written so far (= next position)
+
+    def query_positions(self, t: int) -> mx.array:
+        """int32 [t]: the positions of the next t tokens (before their update)."""
+        return self.offset + mx.arange(t, dtype=mx.int32)
 
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Append keys/values [B, H, T, D] for positions offset..offset+T-1.
@@ -272,6 +280,11 @@ class StaticKVCache:
         """int32 scalar: positions held (before an update: the step's first position)."""
         return self.step.offset
 
+    def query_positions(self, t: int) -> mx.array:
+        """int32 [t]: the step's t positions, shared by every static cache of the step (constants
+        off the step position: no arange node per step)."""
+        return self.step.slots(t)
+
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         T = keys.shape[2]
         at = self.step.slots(T)
@@ -306,6 +319,10 @@ class StaticRotatingKVCache:
     @property
     def offset(self) -> mx.array:
         return self.step.offset
+
+    def query_positions(self, t: int) -> mx.array:
+        """int32 [t]: the step's t positions (see StaticKVCache.query_positions)."""
+        return self.step.slots(t)
 
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         if keys.shape[2] != 1:

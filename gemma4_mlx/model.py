@@ -22,7 +22,7 @@ from custom_kernels.rope import inverse_frequencies, norm_rope
 from custom_kernels.router import new_router_counters, route, route_logits, route_logits_supported, router_logits
 
 from . import cpu_matvec
-from .cache import StaticKVCache, StaticRotatingKVCache, StepPosition
+from .cache import StaticKVCache, StaticRotatingKVCache
 from .config import LayerSpec, ModelConfig
 
 
@@ -411,8 +411,7 @@ class TextModel(nn.Module):
         if hidden_states is not None:
             hidden_states.append(h)
         ple = self.per_layer_inputs(tokens, h) if self.cfg.hidden_size_per_layer_input else None
-        step = getattr(first, "step", None)  # a compiled step's shared positions (KVCache.step is its growth chunk)
-        q_pos = step.slots(T) if isinstance(step, StepPosition) else offset + mx.arange(T, dtype=mx.int32)
+        q_pos = mx.arange(T, dtype=mx.int32) if first is None else first.query_positions(T)
         masks = {}
 
         def mask_fn(spec: LayerSpec, k_pos: mx.array):

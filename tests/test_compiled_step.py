@@ -140,6 +140,11 @@ def test_static_caches_share_one_step_position():
     assert all(c.step is static[0].step for c in static if c is not None) and static[0].step is not step
     assert static[1].offset.item() == 6 and np.array(out[1][2]).tolist()[:7] == [0, 1, 2, 3, 4, 5, -1]
     assert np.array(out[1][0])[0, 0, 5].tolist() == [1.0] * 4  # the token went to slot 5
+    # every cache kind answers the next tokens' positions; the static ones share one array
+    assert np.array(rings[0].query_positions(3)).tolist() == [5, 6, 7]
+    assert np.array(fulls[0].query_positions(2)).tolist() == [5, 6]
+    assert static[0].query_positions(1) is static[1].query_positions(1)
+    assert np.array(static[1].query_positions(1)).tolist() == [6]
     fulls[1].update(*kv)
     with pytest.raises(ValueError, match="different numbers of positions"):
         make_static([fulls[0], fulls[1]], capacity=16)
