@@ -20,7 +20,6 @@ import gemma4_mlx  # noqa: F401,I001  first: the BLAS preload must come before m
 
 import argparse
 import collections
-import contextlib
 import datetime
 import json
 import os
@@ -33,7 +32,7 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode  # noqa: E402  (bench/decode.py)
-from hardware import commit, hardware_info, sources_digest, write_result  # noqa: E402
+from hardware import commit, environment, hardware_info, parse_variant, sources_digest, write_result  # noqa: E402,F401
 from step_settings import model_config  # noqa: E402
 
 # first match wins; names are CUPTI's kernel names (ours start with g4_, see custom_kernels)
@@ -210,36 +209,6 @@ def print_summary(label: str, s: dict) -> None:
     print("   top kernels:")
     for row in s["top_kernels"][:15]:
         print(f"   {row['us']:9.1f} us  {row['launches']:6.1f} x  {row['name'][:110]}")
-
-
-def parse_variant(text: str, allow_empty: bool = False) -> tuple[str, dict[str, str]]:
-    """'NAME=VAR=VALUE VAR2=VALUE2' -> (NAME, {VAR: VALUE, VAR2: VALUE2}); 'NAME=' -> (NAME, {})
-    only with allow_empty (a baseline setting). SystemExit on anything else."""
-    name, sep, rest = text.partition("=")
-    env = {}
-    for item in rest.split():
-        var, eq, value = item.partition("=")
-        if not eq or not var:
-            raise SystemExit(f"{text!r}: expected NAME=VAR=VALUE [VAR=VALUE ...]")
-        env[var] = value
-    if not name or not sep or not (env or allow_empty):
-        raise SystemExit(f"{text!r}: expected NAME=VAR=VALUE [VAR=VALUE ...]")
-    return name, env
-
-
-@contextlib.contextmanager
-def environment(env: dict[str, str]):
-    """The process environment with `env` set for a with-block, restored afterwards."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main(argv: list[str] | None = None) -> int:

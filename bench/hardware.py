@@ -3,6 +3,7 @@ nvidia-smi) and the code (git commit and a digest of the package sources)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -62,3 +63,33 @@ def write_result(doc: dict, stem: str, path: str | None = None) -> str:
         json.dump(doc, fh, indent=1)
     print(f"wrote {path}")
     return path
+
+
+def parse_variant(text: str, allow_empty: bool = False) -> tuple[str, dict[str, str]]:
+    """'NAME=VAR=VALUE VAR2=VALUE2' -> (NAME, {VAR: VALUE, VAR2: VALUE2}); 'NAME=' -> (NAME, {})
+    only with allow_empty (a baseline setting). SystemExit on anything else."""
+    name, sep, rest = text.partition("=")
+    env = {}
+    for item in rest.split():
+        var, eq, value = item.partition("=")
+        if not eq or not var:
+            raise SystemExit(f"{text!r}: expected NAME=VAR=VALUE [VAR=VALUE ...]")
+        env[var] = value
+    if not name or not sep or not (env or allow_empty):
+        raise SystemExit(f"{text!r}: expected NAME=VAR=VALUE [VAR=VALUE ...]")
+    return name, env
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """The process environment with `env` set for a with-block, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -34,8 +34,7 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import decode  # noqa: E402  (bench/decode.py)
-from hardware import commit, hardware_info, sources_digest, write_result  # noqa: E402
-from gpu_timeline import environment, parse_variant  # noqa: E402
+from hardware import commit, environment, hardware_info, parse_variant, sources_digest, write_result  # noqa: E402
 from step_settings import model_config  # noqa: E402
 
 
