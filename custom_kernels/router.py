@@ -185,14 +185,23 @@ def new_router_counters() -> mx.array:
     return ticket_counters(ROUTER_COUNTER_WORDS)
 
 
+def _logits_fusable(x: mx.array, w: mx.array) -> bool:
+    """x [..., H] and w [E, H] the router-logits kernels take: one float dtype, H a multiple of 4."""
+    return x.dtype == w.dtype and x.dtype in (mx.float32, mx.bfloat16) and x.shape[-1] % 4 == 0
+
+
+def _logits_launch(e: int, rows: int) -> dict:
+    """grid and threadgroup of the router-logits kernels: NSG experts per thread block, a row each."""
+    return dict(grid=(32 * _LOGITS_NSG * -(-e // _LOGITS_NSG), rows, 1), threadgroup=(32 * _LOGITS_NSG, 1, 1))
+
+
 def route_logits_supported(x: mx.array, w: mx.array, top_k: int) -> bool:
     """True when route_logits runs its one launch: a CUDA build, x and w of one float dtype, H a
     multiple of 4, 1..8 token rows, E <= MAX_EXPERTS and 1 <= top_k <= min(E, MAX_TOP_K)."""
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     e = w.shape[0]
     return (backend() == "cuda" and not use_reference() and w.ndim == 2 and x.shape[-1] == w.shape[1]
-            and x.dtype == w.dtype and x.dtype in (mx.float32, mx.bfloat16) and x.shape[-1] % 4 == 0
-            and 1 <= rows <= ROUTER_COUNTER_WORDS and e <= MAX_EXPERTS and 1 <= top_k <= min(e, MAX_TOP_K))  # fmt: skip
+            and _logits_fusable(x, w) and 1 <= rows <= ROUTER_COUNTER_WORDS and e <= MAX_EXPERTS and 1 <= top_k <= min(e, MAX_TOP_K))  # fmt: skip
 
 
 def route_logits(x: mx.array, w: mx.array, per_expert_scale: mx.array, top_k: int,
@@ -212,8 +221,7 @@ def route_logits(x: mx.array, w: mx.array, per_expert_scale: mx.array, top_k: in
         inputs=[x, w, per_expert_scale, counters],
         template=template_args(_fused_template(dtype_name(x.dtype), dtype_name(per_expert_scale.dtype),
                                                x.shape[-1], e, top_k)),  # fmt: skip
-        grid=(32 * _LOGITS_NSG * -(-e // _LOGITS_NSG), rows, 1),
-        threadgroup=(32 * _LOGITS_NSG, 1, 1),
+        **_logits_launch(e, rows),
         output_shapes=[(*x.shape[:-1], e), out, out],
         output_dtypes=[x.dtype, mx.float32, mx.int32],
     )
@@ -284,15 +292,13 @@ def router_logits(x: mx.array, w: mx.array) -> mx.array:
     if w.ndim != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"x [..., H] and w [E, H] expected, got {x.shape} and {w.shape}")
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    fusable = x.dtype == w.dtype and x.dtype in (mx.float32, mx.bfloat16) and x.shape[-1] % 4 == 0
-    if use_reference() or not fusable or not 1 <= rows <= _LOGITS_MAX_ROWS:
+    if use_reference() or not _logits_fusable(x, w) or not 1 <= rows <= _LOGITS_MAX_ROWS:
         return router_logits_reference(x, w)
     e = w.shape[0]
     (out,) = _LOGITS.kernel()(
         inputs=[x, w],
         template=template_args(_logits_template(dtype_name(x.dtype), x.shape[-1])),
-        grid=(32 * _LOGITS_NSG * -(-e // _LOGITS_NSG), rows, 1),
-        threadgroup=(32 * _LOGITS_NSG, 1, 1),
+        **_logits_launch(e, rows),
         output_shapes=[(*x.shape[:-1], e)],
         output_dtypes=[x.dtype],
     )
@@ -365,8 +371,7 @@ def _logits_case(rng: np.random.Generator, rows: int, e: int, h: int, dtype: str
     want = x.astype(np.float64) @ w.astype(np.float64).T
     bound = float((np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T).max())
     return KernelCase(
-        inputs=inputs, template=_logits_template(dtype, h), grid=(32 * _LOGITS_NSG * -(-e // _LOGITS_NSG), rows, 1),
-        threadgroup=(32 * _LOGITS_NSG, 1, 1), output_shapes=[(rows, e)], output_dtypes=[dtype], expected=[want],
+        inputs=inputs, template=_logits_template(dtype, h), **_logits_launch(e, rows), output_shapes=[(rows, e)], output_dtypes=[dtype], expected=[want],
         rtol=2.0**-8 if dtype == "bfloat16" else 0.0, atol=1e-6 * bound, input_dtypes=dtypes,
         label=f"rows={rows} E={e} H={h} {dtype}",
     )  # fmt: skip
@@ -395,8 +400,7 @@ def _fused_kernel_case(x, w, scale, logits, dtype: str, k: int, rtol: float, ato
     wts, idx = route_f64(logits, scale, k)
     return KernelCase(
         inputs={"x": x, "w": w, "scale": scale, "counters": np.zeros(ROUTER_COUNTER_WORDS, np.uint32)},
-        template=_fused_template(dtype, "float32", h, e, k), grid=(32 * _LOGITS_NSG * -(-e // _LOGITS_NSG), rows, 1),
-        threadgroup=(32 * _LOGITS_NSG, 1, 1), output_shapes=[(rows, e), (rows, k), (rows, k)],
+        template=_fused_template(dtype, "float32", h, e, k), **_logits_launch(e, rows), output_shapes=[(rows, e), (rows, k), (rows, k)],
         output_dtypes=[dtype, "float32", "int32"], expected=[logits, wts, idx.astype(np.float64)], rtol=rtol,
         atol=atol, input_dtypes={"x": dtype, "w": dtype} if dtype == "bfloat16" else {},
         label=f"rows={rows} E={e} H={h} k={k} {dtype}",
