@@ -324,12 +324,10 @@ class DecoderLayer(nn.Module):
             y = attn.attend(x, offset, q_pos, cache, shared_kv, mask_fn)
             h, x = linear_add_norm(attn.o_proj, y, h, self.post_attention_layernorm, self.pre_feedforward_layernorm,
                                    counters=self._tickets[0])  # fmt: skip
-            if not self.ple:
-                return linear_add_norm(self.mlp.down_proj, self.mlp.hidden(x), h, self.post_feedforward_layernorm,
-                                       next_norm, self.layer_scalar, self._tickets[1])  # fmt: skip
-            h, _ = linear_add_norm(self.mlp.down_proj, self.mlp.hidden(x), h, self.post_feedforward_layernorm,
-                                   counters=self._tickets[1])  # fmt: skip
-            return self._ple(h, per_layer_input, next_norm)
+            last = not self.ple  # else the per-layer input's branch ends the layer
+            h, x = linear_add_norm(self.mlp.down_proj, self.mlp.hidden(x), h, self.post_feedforward_layernorm,
+                                   next_norm if last else None, self.layer_scalar if last else None, self._tickets[1])  # fmt: skip
+            return (h, x) if last else self._ple(h, per_layer_input, next_norm)
         h, x, x_experts, x_router = self._moe_inputs(h, attn(x, offset, q_pos, cache, shared_kv, mask_fn))
         weights, indices = self.router.select(x_router)
         moe = self.experts(x_experts, weights, indices)
