@@ -30,13 +30,18 @@ def test_plans_and_refusals(monkeypatch):
     assert qt.default_tiles_config() == qt.TilesConfig(8, 4)
     plan = qt.plan_tiles("dense", 1, 21504, 5376)
     assert plan.grid == (1344 * 256, 1, 1) and plan.threadgroup == (256, 1, 1) and plan.output_shape == (1, 21504)
-    assert dict(plan.template) == {"T": "bfloat16", "NW": 8, "RS": 3024, "NC": 4}
+    assert dict(plan.template) == {"T": "bfloat16", "NW": 8, "RS": 3024, "NC": 4, "NB": 1}
     plan = qt.plan_tiles("gate_up", 8, 21504, 5376, qt.TilesConfig(4, 1))
     assert plan.grid == (2688 * 128, 1, 1) and plan.output_shape == (8, 21504) and dict(plan.template)["NC"] == 1
     assert qt.plan_tiles("dense", 3, 17, 256, qt.TilesConfig(4)).grid == (2 * 128, 1, 1)  # a partial last tile
+    # at most `blocks` thread blocks, each taking tiles b, b + G, ...; `buffers` tiles of shared memory
+    plan = qt.plan_tiles("gate_up", 1, 21504, 5376, qt.TilesConfig(8, 4, 264, 2))
+    assert plan.grid == (264 * 256, 1, 1) and dict(plan.template)["NB"] == 2
+    assert qt.plan_tiles("dense", 1, 40, 768, qt.TilesConfig(8, 4, 264, 2)).grid == (3 * 256, 1, 1)
+    assert qt.tiles_shared_bytes(5376, 2) == 2 * qt.tiles_shared_bytes(5376) == 2 * 16 * 3024
     monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, "warps=2,chunks=8")
     assert qt.default_tiles_config() == qt.TilesConfig(2, 8)
-    for bad in ("warps=3", "chunks=3", "rows=2"):
+    for bad in ("warps=3", "chunks=3", "rows=2", "blocks=-1", "buffers=3", "buffers=0"):
         monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, bad)
         with pytest.raises(ValueError, match=qt.TILES_GEOMETRY_ENV):
             qt.default_tiles_config()
