@@ -653,10 +653,11 @@ def tiles_shapes() -> list[tuple[str, str, str, int, int]]:
     return out
 
 
-TILES_CONFIGS = tuple(qt.TilesConfig(*f) for f in ((8, 4), (8, 4, 264, 1), (8, 4, 528, 1), (8, 4, 132, 2),
-                                                    (8, 4, 264, 2), (8, 2, 264, 2), (8, 1, 264, 2)))  # fmt: skip
-"""The default (a thread block per tile) and thread blocks taking several tiles (blocks: 132, 264,
-528 are 1, 2, 4 per SM of the H200), through one buffer or two (the next tile copied during this one)."""
+TILES_CONFIGS = tuple(qt.TilesConfig(*f) for f in ((8, 4), (8, 4, 264, 1), (8, 1, 264, 2), (8, 2, 264, 2),
+                                                    (8, 1, 396, 2), (4, 1, 264, 2)))  # fmt: skip
+"""The default (a thread block per tile) and thread blocks taking several tiles (blocks: 264 and 396
+are 2 and 3 per SM of the H200's 132), through one buffer or two (the next tile copied during this
+one)."""
 
 
 def tiles_label(cfg: qt.TilesConfig) -> str:

@@ -40,7 +40,7 @@ from .dialect import prelude
 
 __all__ = ["TilesConfig", "default_tiles_config", "tiles_supported", "tiles_row_stride", "tiles_shared_bytes",
            "plan_tiles", "launch_dense_tiles", "launch_gate_up_tiles", "kernel_specs", "TILES_SHARED_LIMIT",
-           "TILES_MIN_K", "TILES_MAX_K"]  # fmt: skip
+           "TILES_MIN_K", "TILES_MAX_K", "tiles_launch_shared"]  # fmt: skip
 
 TILES_SHARED_LIMIT = 110 * 1024
 """Shared memory of one tile at most (a launch of 2 buffers: twice this, below Hopper's 227 KB per
@@ -92,6 +92,22 @@ def tiles_row_stride(k: int) -> int:
 def tiles_shared_bytes(k: int, buffers: int = 1) -> int:
     """Dynamic shared memory of a tiles launch: `buffers` tiles of 16 rows at tiles_row_stride(k)."""
     return buffers * 16 * tiles_row_stride(k)
+
+
+STATIC_SHARED_LIMIT = 48 * 1024
+"""A CUDA thread block's shared memory, static and dynamic together, unless the kernel's dynamic
+limit is raised; MLX 0.32.4 raises it only for a launch asking more than MLX_RAISE_ABOVE bytes."""
+MLX_RAISE_ABOVE = 48000
+
+
+def tiles_launch_shared(k: int, config: TilesConfig) -> int:
+    """Dynamic shared memory to ask for: the tiles (tiles_shared_bytes), or more than MLX_RAISE_ABOVE
+    when they are below it but with the static arrays (part_s, the barriers) over
+    STATIC_SHARED_LIMIT: asked as they are, the launch fails (cuGraphAddKernelNode: invalid
+    argument; on the H200 at K = 2560 with 2 buffers, and at K = 5120 with one)."""
+    dynamic = tiles_shared_bytes(k, config.buffers)
+    static = 4 * config.warps * 16 * 8 + 8 * config.buffers * config.chunks
+    return MLX_RAISE_ABOVE + 16 if dynamic <= MLX_RAISE_ABOVE and dynamic + static > STATIC_SHARED_LIMIT else dynamic
 
 
 TILES_MIN_K = 3840
@@ -307,7 +323,7 @@ def _launch(kind, x, blocks, rows, n, config, init_value, out_shape):
     cfg = config or default_tiles_config()
     return qm.launch_hopper_q4_0("tiles", _DEFS[kind], x, blocks, rows,
                                  lambda: plan_tiles(kind, math.prod(x.shape[:-1]), n, x.shape[-1], cfg),
-                                 tiles_shared_bytes(x.shape[-1], cfg.buffers), init_value, out_shape)  # fmt: skip
+                                 tiles_launch_shared(x.shape[-1], cfg), init_value, out_shape)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,7 +338,7 @@ def _case(rng, kind, n, k, config, m=1, lead=None):
     plan = plan_tiles(kind, m, n, k, config)
     return dataclasses.replace(case, template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
                                label=f"tiles M={m} {kind} N={n} K={k} {config}",
-                               cuda_shared_memory=tiles_shared_bytes(k, config.buffers))  # fmt: skip
+                               cuda_shared_memory=tiles_launch_shared(k, config))  # fmt: skip
 
 
 def _cases(kind: str):
@@ -332,7 +348,8 @@ def _cases(kind: str):
     90 words) and without (K = 768, 5376), a tile past 48 KB of shared memory (K = 6144, the largest
     the model routes there); thread blocks taking several tiles through one buffer (every use of it
     a new barrier phase) and two (the next tile copied during this one; an odd tile count per block,
-    a block with a single tile, 2 x 55.5 KB of shared memory at K = 6144)."""
+    a block with a single tile, 2 x 55.5 KB of shared memory at K = 6144); tiles just under 48 KB
+    whose static arrays take the block over it (K = 5120; 2 x 23 KB at K = 2560)."""
 
     def make(rng: np.random.Generator):
         c = TilesConfig
@@ -342,7 +359,8 @@ def _cases(kind: str):
                     _case(rng, kind, 9, 2816, c(8, 4), 1), _case(rng, kind, 19, 6144, c(8, 4), 1),
                     _case(rng, kind, 45, 2560, c(4, 1, 1, 1), 1), _case(rng, kind, 130, 768, c(2, 2, 3, 2), 1),
                     _case(rng, kind, 37, 5376, c(8, 4, 2, 2), 8), _case(rng, kind, 70, 256, c(8, 8, 2, 2), 3),
-                    _case(rng, kind, 50, 6144, c(8, 4, 2, 2), 1)]  # fmt: skip
+                    _case(rng, kind, 50, 6144, c(8, 4, 2, 2), 1), _case(rng, kind, 40, 5120, c(8, 4), 1),
+                    _case(rng, kind, 40, 2560, c(8, 1, 2, 2), 1)]  # fmt: skip
         return [_case(rng, kind, 11, 5376, c(8, 4), 1), _case(rng, kind, 13, 512, c(1, 8), 2),
                 _case(rng, kind, 21, 768, c(2, 1), 7, (7, 1)), _case(rng, kind, 70, 2560, c(8, 2), 1),
                 _case(rng, kind, 5, 2816, c(4, 4), 4), _case(rng, kind, 21, 768, c(2, 1, 2, 2), 7, (7, 1)),
