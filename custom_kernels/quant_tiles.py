@@ -19,6 +19,12 @@ whole rows front to back were the guess. Measured one call at a time it gains 2-
 (28% on a 12288 x 2816 matrix), not the probe's 35%: the work per weight bounds both kernels. In one
 process 31B decode at 4K went from 85.4 to 90.2 tok/s with it.
 
+TilesConfig.blocks / buffers (session 24, opt-in): at most `blocks` thread blocks, block b taking
+tiles b, b + G, ... and, with 2 buffers, copying its next tile while it computes this one, so a
+block no longer waits for its rows after its first tile. One call at a time on the H200 with
+264 blocks x 2 buffers, 1 chunk: 31B q|k|v 29.5 against 32.6 us, 31B gate|up 59.4 against 63.1,
+12B gate|up 34.3 against 38.4; 31B o_proj (K = 8192) slower, 22.2 against 12.0.
+
 Shared memory: the tile's 16 rows at a stride of an odd number of 16-byte words (the row's bytes,
 plus 16 when they are an even number of words), so that lane (g, t)'s 4-byte reads of rows g = 0..7
 fall in distinct banks. K must be a multiple of 256 (row bytes a multiple of 16 for the bulk copies);
