@@ -653,16 +653,7 @@ def tiles_shapes() -> list[tuple[str, str, str, int, int]]:
     return out
 
 
-TILES_CONFIGS = tuple(qt.TilesConfig(*f) for f in ((8, 4), (8, 4, 264, 1), (8, 1, 264, 2), (8, 2, 264, 2),
-                                                    (8, 1, 396, 2), (4, 1, 264, 2)))  # fmt: skip
-"""The default (a thread block per tile) and thread blocks taking several tiles (blocks: 264 and 396
-are 2 and 3 per SM of the H200's 132), through one buffer or two (the next tile copied during this
-one)."""
-
-
-def tiles_label(cfg: qt.TilesConfig) -> str:
-    """w<warps>c<chunks>, then b<blocks>x<buffers> where a thread block takes several tiles."""
-    return f"tiles w{cfg.warps}c{cfg.chunks}" + (f"b{cfg.blocks}x{cfg.buffers}" if cfg.blocks else "")
+TILES_CONFIGS = tuple(qt.TilesConfig(w, c) for w, c in ((8, 1), (8, 2), (8, 4), (8, 8), (4, 4)))
 
 
 def tiles_case(model, name, kind, n, k, ms, dtype, quick, on_gpu) -> list[dict]:
@@ -683,7 +674,7 @@ def tiles_case(model, name, kind, n, k, ms, dtype, quick, on_gpu) -> list[dict]:
         variants = {"dispatch": dispatch}
         if on_gpu and custom_kernels.backend() == "cuda" and qt.tiles_supported(dtype, k):
             for cfg in TILES_CONFIGS:
-                variants[tiles_label(cfg)] = lambda w, c=cfg: tiles(x, w, n, c)
+                variants[f"tiles w{cfg.warps}c{cfg.chunks}"] = lambda w, c=cfg: tiles(x, w, n, c)
         for impl, fn in variants.items():
             calls = [lambda w=w, fn=fn: fn(w) for w in weights]
             out.append(dict(model=model, name=name, impl=impl, N=rows_n, K=k, M=m, sets=len(weights),

@@ -30,18 +30,13 @@ def test_plans_and_refusals(monkeypatch):
     assert qt.default_tiles_config() == qt.TilesConfig(8, 4)
     plan = qt.plan_tiles("dense", 1, 21504, 5376)
     assert plan.grid == (1344 * 256, 1, 1) and plan.threadgroup == (256, 1, 1) and plan.output_shape == (1, 21504)
-    assert dict(plan.template) == {"T": "bfloat16", "NW": 8, "RS": 3024, "NC": 4, "NB": 1}
+    assert dict(plan.template) == {"T": "bfloat16", "NW": 8, "RS": 3024, "NC": 4}
     plan = qt.plan_tiles("gate_up", 8, 21504, 5376, qt.TilesConfig(4, 1))
     assert plan.grid == (2688 * 128, 1, 1) and plan.output_shape == (8, 21504) and dict(plan.template)["NC"] == 1
     assert qt.plan_tiles("dense", 3, 17, 256, qt.TilesConfig(4)).grid == (2 * 128, 1, 1)  # a partial last tile
-    # at most `blocks` thread blocks, each taking tiles b, b + G, ...; `buffers` tiles of shared memory
-    plan = qt.plan_tiles("gate_up", 1, 21504, 5376, qt.TilesConfig(8, 4, 264, 2))
-    assert plan.grid == (264 * 256, 1, 1) and dict(plan.template)["NB"] == 2
-    assert qt.plan_tiles("dense", 1, 40, 768, qt.TilesConfig(8, 4, 264, 2)).grid == (3 * 256, 1, 1)
-    assert qt.tiles_shared_bytes(5376, 2) == 2 * qt.tiles_shared_bytes(5376) == 2 * 16 * 3024
     monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, "warps=2,chunks=8")
     assert qt.default_tiles_config() == qt.TilesConfig(2, 8)
-    for bad in ("warps=3", "chunks=3", "rows=2", "blocks=-1", "buffers=3", "buffers=0"):
+    for bad in ("warps=3", "chunks=3", "rows=2"):
         monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, bad)
         with pytest.raises(ValueError, match=qt.TILES_GEOMETRY_ENV):
             qt.default_tiles_config()
@@ -59,23 +54,21 @@ def test_plans_and_refusals(monkeypatch):
         qt.launch_dense_tiles(mx.zeros((1, 512), mx.bfloat16), mx.zeros((64, 288), mx.uint8), 64)
 
 
-def test_launch_shared_raises_the_limit_where_the_static_arrays_would_cross_48_kb():
-    """Dynamic bytes at or below MLX's raise threshold whose sum with part_s and the barriers is over
-    48 KB are asked as just above the threshold (the H200 refused the launch as asked); the rest as
-    they are."""
-    c = qt.TilesConfig
-    assert qt.tiles_launch_shared(2560, c(8, 4, 264, 2)) == qt.MLX_RAISE_ABOVE + 16  # 46,592 + 4,160 static
-    assert qt.tiles_launch_shared(5120, c(8, 4)) == qt.MLX_RAISE_ABOVE + 16  # 46,336 + 4,128
-    assert qt.tiles_launch_shared(5120, c(1, 4)) == qt.tiles_shared_bytes(5120)  # 46,336 + 544
-    assert qt.tiles_launch_shared(2560, c(8, 4)) == qt.tiles_shared_bytes(2560)
-    assert qt.tiles_launch_shared(5376, c(8, 4, 264, 2)) == qt.tiles_shared_bytes(5376, 2)
-    for k in range(256, 12289, 256):
-        for cfg in (c(8, 4), c(8, 1, 264, 2), c(1, 8, 3, 2)):
-            asked = qt.tiles_launch_shared(k, cfg)
-            static = 4 * cfg.warps * 128 + 8 * cfg.buffers * cfg.chunks
-            assert asked >= qt.tiles_shared_bytes(k, cfg.buffers)
-            assert asked > qt.MLX_RAISE_ABOVE or asked + static <= qt.STATIC_SHARED_LIMIT, (k, cfg)
 
+def test_launch_shared_raises_the_limit_where_the_static_arrays_would_cross_48_kb():
+    """A tile at or below MLX's raise threshold whose sum with part_s and the barriers is over 48 KB
+    is asked as just above the threshold (the H200 refused such a launch as asked); the rest as it is."""
+    c = qt.TilesConfig
+    assert qt.tiles_launch_shared(5120, c(8, 4)) == qt.MLX_RAISE_ABOVE + 16  # 46,336 + 4,128 static
+    assert qt.tiles_launch_shared(5120, c(1, 4)) == qt.tiles_shared_bytes(5120)  # 46,336 + 544
+    assert qt.tiles_launch_shared(5376, c(8, 4)) == qt.tiles_shared_bytes(5376)  # 48,384: MLX raises it
+    assert qt.tiles_launch_shared(3840, c(8, 4)) == qt.tiles_shared_bytes(3840)
+    for k in range(256, 12289, 256):
+        for cfg in (c(8, 4), c(8, 1), c(1, 8), c(4, 2)):
+            asked = qt.tiles_launch_shared(k, cfg)
+            static = 4 * cfg.warps * 128 + 8 * cfg.chunks
+            assert asked >= qt.tiles_shared_bytes(k)
+            assert asked > qt.MLX_RAISE_ABOVE or asked + static <= qt.STATIC_SHARED_LIMIT, (k, cfg)
 
 def test_routing_on_cuda(monkeypatch):
     """On an sm_90 CUDA build (faked, launches stubbed), family quant_matvec_tiles (a CUDA default)
