@@ -653,7 +653,7 @@ def tiles_shapes() -> list[tuple[str, str, str, int, int]]:
     return out
 
 
-TILES_CONFIGS = tuple(qt.TilesConfig(w, c) for w, c in ((8, 1), (8, 2), (8, 4), (8, 8), (4, 4)))
+TILES_CONFIGS = tuple(qt.TilesConfig(w, c, b) for w, c, b in ((8, 2, 0), (8, 4, 0), (8, 2, 1), (8, 4, 1)))
 
 
 def tiles_case(model, name, kind, n, k, ms, dtype, quick, on_gpu) -> list[dict]:

@@ -54,17 +54,23 @@ TILES_GEOMETRY_ENV = "GEMMA4_MLX_TILES_GEOMETRY"
 
 @dataclass(frozen=True)
 class TilesConfig:
-    """Warps per threadgroup (they split the tile's 256-weight steps) and chunks (each row arrives
-    in this many bulk copies along K, each with its own barrier: the warps start on the first)."""
+    """Warps per threadgroup (they split the tile's 256-weight steps), chunks (each row arrives
+    in this many bulk copies along K, each with its own barrier: the warps start on the first) and
+    bias (1: the weights enter the mma as 128 + q, one PRMT a pair instead of a PRMT and a
+    subtraction, and each block's mma starts from -136 x the block's x sum, summed once per
+    threadgroup into shared memory after the tile: 4 M K / 32 bytes more)."""
 
     warps: int = 8
     chunks: int = 4
+    bias: int = 0
 
     def __post_init__(self):
         if type(self.warps) is not int or self.warps not in (1, 2, 4, 8):
             raise ValueError(f"warps must be 1, 2, 4 or 8, got {self.warps!r}")
         if type(self.chunks) is not int or self.chunks not in (1, 2, 4, 8):
             raise ValueError(f"chunks must be 1, 2, 4 or 8, got {self.chunks!r}")
+        if type(self.bias) is not int or self.bias not in (0, 1):
+            raise ValueError(f"bias must be 0 or 1, got {self.bias!r}")
 
 
 def default_tiles_config() -> TilesConfig:
@@ -79,9 +85,16 @@ def tiles_row_stride(k: int) -> int:
     return rb if (rb // 16) % 2 else rb + 16
 
 
-def tiles_shared_bytes(k: int) -> int:
-    """Dynamic shared memory of a tiles launch: 16 rows at tiles_row_stride(k)."""
-    return 16 * tiles_row_stride(k)
+def tiles_shared_bytes(k: int, m: int = 1, bias: int = 0) -> int:
+    """Dynamic shared memory of a tiles launch: 16 rows at tiles_row_stride(k), then with bias the
+    m tokens' f32 block sums (2 tiles_bias_pitch(m) floats a block)."""
+    return 16 * tiles_row_stride(k) + (8 * tiles_bias_pitch(m) * (k // 32) if bias else 0)
+
+
+def tiles_bias_pitch(m: int) -> int:
+    """Tokens of the bias table (TilesConfig.bias): m rounded up to 2, 4 or 8; each block holds
+    their sums twice, a lane's two tokens for both its rows in one 16-byte load."""
+    return 2 if m <= 2 else 4 if m <= 4 else 8
 
 
 STATIC_SHARED_LIMIT = 48 * 1024
@@ -90,13 +103,13 @@ limit is raised; MLX 0.32.4 raises it only for a launch asking more than MLX_RAI
 MLX_RAISE_ABOVE = 48000
 
 
-def tiles_launch_shared(k: int, config: TilesConfig) -> int:
+def tiles_launch_shared(k: int, config: TilesConfig, m: int = 1) -> int:
     """Dynamic shared memory to ask for: the tile (tiles_shared_bytes), or just more than
     MLX_RAISE_ABOVE when the tile is below it but with the static arrays (part_s, the chunk
     barriers) over STATIC_SHARED_LIMIT. Asked as it is, such a launch fails (cuGraphAddKernelNode:
     invalid argument; seen on the H200 in session 24 at 46,592 + 4,160 bytes; K = 5120 at 8 warps,
     46,336 + 4,128, is in that band)."""
-    dynamic = tiles_shared_bytes(k)
+    dynamic = tiles_shared_bytes(k, m, config.bias)
     static = 4 * config.warps * 16 * 8 + 8 * config.chunks
     return MLX_RAISE_ABOVE + 16 if dynamic <= MLX_RAISE_ABOVE and dynamic + static > STATIC_SHARED_LIMIT else dynamic
 
@@ -118,13 +131,26 @@ def tiles_supported(x_dtype: mx.Dtype, k: int) -> bool:
 
 
 _HEADER_CUDA = r"""
+// bytes i0, i1 of v (low nibbles already masked) -> bf16x2 {128 + q0, 128 + q1}, exact
+__device__ __forceinline__ uint32_t g4_q4_pair128(uint32_t v, uint32_t sel) { return __byte_perm(v, 0x43434343u, sel); }
+// acc += one block's part (row g: columns 2t, 2t + 1; row g + 8: the same) scaled by the d of the
+// block of rows g (p0) and g + 8 (p1)
+__device__ __forceinline__ void g4_tiles_scale(float (&acc)[4], const float (&part)[4], const uint8_t* p0,
+                                               const uint8_t* p1) {
+  const float d0 = g4_half_bits(g4_s16(p0)), d1 = g4_half_bits(g4_s16(p1));
+  acc[0] += d0 * part[0]; acc[1] += d0 * part[1]; acc[2] += d1 * part[2]; acc[3] += d1 * part[3];
+}
 // One 8-block step of lane (g, t) of a tiles warp: rows g (w0, in shared memory) and g + 8 (w0 + 8 RS)
 // against token g's x of the step (xs, global memory, read-only path; zeros when tok is false).
 // A's k pair (2t, 2t + 1) is weights 4t, 4t + 1 of a block half and (2t + 8, 2t + 9) weights 4t + 2,
 // 4t + 3 (qs bytes 4t .. 4t + 3: low nibbles, then high for the second half); B takes x in that
 // order. acc: (row g, token 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
-template <int RS, int XA>
-__device__ __forceinline__ void g4_tiles_step(float (&acc)[4], const uint8_t* w0, const uint8_t* xs, bool tok, int t) {
+// BI > 0: A holds 128 + q (the pairs' PRMT alone) and each block's mma starts from -136 x the
+// block's x sums of tokens 2t, 2t + 1, twice (rows g and g + 8: bias [2 BI b], one 16-byte load),
+// which takes the 136 back off.
+template <int RS, int XA, int BI>
+__device__ __forceinline__ void g4_tiles_step(float (&acc)[4], const uint8_t* w0, const uint8_t* xs, bool tok, int t,
+                                              const float* bias) {
   _Pragma("unroll") for (int b = 0; b < 8; ++b) {
     const uint8_t* p0 = w0 + 18 * b;
     const uint8_t* p1 = p0 + 8 * RS;
@@ -135,20 +161,30 @@ __device__ __forceinline__ void g4_tiles_step(float (&acc)[4], const uint8_t* w0
     g4_x8<XA>(xh0, xh1, xs + 64 * b + 32 + 8 * t, tok);
     const uint32_t l0 = q0 & 0x0F0F0F0Fu, l1 = q1 & 0x0F0F0F0Fu;
     const uint32_t h0 = (q0 >> 4) & 0x0F0F0F0Fu, h1 = (q1 >> 4) & 0x0F0F0F0Fu;
-    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    g4_mma_bf16(part, g4_q4_pair(l0, 0x4140u), g4_q4_pair(l1, 0x4140u), g4_q4_pair(l0, 0x4342u),
-                g4_q4_pair(l1, 0x4342u), xl0, xl1);
-    g4_mma_bf16(part, g4_q4_pair(h0, 0x4140u), g4_q4_pair(h1, 0x4140u), g4_q4_pair(h0, 0x4342u),
-                g4_q4_pair(h1, 0x4342u), xh0, xh1);
-    const float d0 = g4_half_bits(g4_s16(p0)), d1 = g4_half_bits(g4_s16(p1));
-    acc[0] += d0 * part[0]; acc[1] += d0 * part[1]; acc[2] += d1 * part[2]; acc[3] += d1 * part[3];
+    if (BI) {
+      const float4 c = *reinterpret_cast<const float4*>(bias + 2 * BI * b);
+      float part[4] = {c.x, c.y, c.z, c.w};
+      g4_mma_bf16(part, g4_q4_pair128(l0, 0x4140u), g4_q4_pair128(l1, 0x4140u), g4_q4_pair128(l0, 0x4342u),
+                  g4_q4_pair128(l1, 0x4342u), xl0, xl1);
+      g4_mma_bf16(part, g4_q4_pair128(h0, 0x4140u), g4_q4_pair128(h1, 0x4140u), g4_q4_pair128(h0, 0x4342u),
+                  g4_q4_pair128(h1, 0x4342u), xh0, xh1);
+      g4_tiles_scale(acc, part, p0, p1);
+    } else {
+      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      g4_mma_bf16(part, g4_q4_pair(l0, 0x4140u), g4_q4_pair(l1, 0x4140u), g4_q4_pair(l0, 0x4342u),
+                  g4_q4_pair(l1, 0x4342u), xl0, xl1);
+      g4_mma_bf16(part, g4_q4_pair(h0, 0x4140u), g4_q4_pair(h1, 0x4140u), g4_q4_pair(h0, 0x4342u),
+                  g4_q4_pair(h1, 0x4342u), xh0, xh1);
+      g4_tiles_scale(acc, part, p0, p1);
+    }
   }
 }
 """
 
 # Template: T (bfloat16), NW (warps), RS (tiles_row_stride(K)), NC (chunks: each row's bulk copies
 # come in NC pieces along K, each with its own barrier, so the warps start on the first while the
-# rest arrive). @GU@: 0 dense (rows 16 b .. 16 b + 15),
+# rest arrive), BI (TilesConfig.bias: 0, or the tokens of a block's -136 x sums in shared memory after
+# the tile, 2, 4 or 8: tiles_bias_pitch). @GU@: 0 dense (rows 16 b .. 16 b + 15),
 # 1 gate|up (gate rows 8 b .. 8 b + 7 and up rows F + 8 b .. -> gelu_tanh(g) * u).
 _BODY_CUDA = r"""
   // gemma4-mlx q4_0 tiles kernel (CUDA tensor cores, 1..8 tokens, 16 whole rows per thread block)
@@ -202,22 +238,50 @@ _BODY_CUDA = r"""
     }
     __syncthreads();
   }
+  const bool xa = (reinterpret_cast<uintptr_t>(x) & 7u) == 0;
+  const int nblk = K >> 5;
+  float* bias_s = reinterpret_cast<float*>(tile_s + 16 * RS);  // BI: [K / 32][BI / 2][4], after the tile
+  if (BI) {  // -136 x each block's x sum, per token (0 past M), while the tile arrives
+    constexpr int BP = BI > 0 ? BI : 1;
+    for (int i = (int)threadIdx.x; i < BP * nblk; i += 32 * NW) {
+      const int tk = i % BP, b = i / BP;
+      const uint8_t* xb = reinterpret_cast<const uint8_t*>(x) + ((size_t)tk * K + 32 * b) * 2;
+      float sum = 0.0f;
+      if (tk >= M) {
+      } else if ((reinterpret_cast<uintptr_t>(x) & 15u) == 0) {
+        _Pragma("unroll") for (int j = 0; j < 4; ++j) {
+          const uint4 v = __ldg(reinterpret_cast<const uint4*>(xb) + j);
+          const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+          _Pragma("unroll") for (int e = 0; e < 4; ++e) sum += __uint_as_float(w[e] << 16) + __uint_as_float(w[e] & 0xFFFF0000u);
+        }
+      } else {
+        _Pragma("unroll") for (int j = 0; j < 16; ++j) {
+          const uint32_t w = g4_u16(xb + 4 * j) | (g4_u16(xb + 4 * j + 2) << 16);
+          sum += __uint_as_float(w << 16) + __uint_as_float(w & 0xFFFF0000u);
+        }
+      }
+      float* e = bias_s + 2 * BP * b + 4 * (tk >> 1) + (tk & 1);  // tokens 2j, 2j + 1, 2j, 2j + 1
+      e[0] = e[2] = -136.0f * sum;
+    }
+    __syncthreads();
+  }
   const bool tok = g < M;
   const uint8_t* xs = reinterpret_cast<const uint8_t*>(x) + (size_t)(tok ? g : 0) * K * 2;
   const uint8_t* w0 = tile_s + RS * g;
-  const bool xa = (reinterpret_cast<uintptr_t>(x) & 7u) == 0;
+  const float* bias = bias_s + 4 * min(t, BI / 2 - 1);  // columns past BI: lower tokens' sums, never stored
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  int ready = bulk ? -1 : NC;  // chunks this warp has seen arrive
-  for (int s = warp; s < nsteps; s += NW) {
-    const int c = s / spc;
-    if (c > ready) {
-      g4_mbar_wait(bar0 + 8 * c, 0u);
-      ready = c;
-    }
-    if (xa) {
-      g4_tiles_step<RS, 1>(acc, w0 + 144 * s, xs + 512 * s, tok, t);
-    } else {
-      g4_tiles_step<RS, 0>(acc, w0 + 144 * s, xs + 512 * s, tok, t);
+  for (int c = 0; c < NC; ++c) {  // warp w: steps w, w + NW, ... of each chunk, once it has arrived
+    const int s1 = min(nsteps, (c + 1) * spc);
+    int s = c * spc;
+    s += (warp - s) & (NW - 1);
+    if (s >= s1) continue;
+    if (bulk) g4_mbar_wait(bar0 + 8 * c, 0u);
+    for (; s < s1; s += NW) {
+      if (xa) {
+        g4_tiles_step<RS, 1, BI>(acc, w0 + 144 * s, xs + 512 * s, tok, t, bias + 16 * BI * s);
+      } else {
+        g4_tiles_step<RS, 0, BI>(acc, w0 + 144 * s, xs + 512 * s, tok, t, bias + 16 * BI * s);
+      }
     }
   }
   part_s[warp][g][2 * t] = acc[0];
@@ -248,7 +312,7 @@ def _tiles_def(kind: str) -> qm._KernelDef:
     header = (prelude("cuda") + qm._MMA_HEADER_CUDA + qm._RUNS_HEADER_CUDA + qm._RUNS16_HEADER_CUDA
               + qm._STREAM_CP_ASYNC_CUDA + qm._MBAR_BULK_CUDA + qm._RUNS16M_HEADER_CUDA + _HEADER_CUDA)  # fmt: skip
     body = _BODY_CUDA.replace("@GU@", "1" if kind == "gate_up" else "0")
-    return qm._KernelDef(name, kind, qm.Q4_0, ("x", "wq"), ("out",), ("T", "NW", "RS", "NC"),
+    return qm._KernelDef(name, kind, qm.Q4_0, ("x", "wq"), ("out",), ("T", "NW", "RS", "NC", "BI"),
                          {"metal": ("", ""), "cuda": (header, body)})  # fmt: skip
 
 
@@ -271,7 +335,8 @@ def plan_tiles(kind: str, m: int, n: int, k: int, config: TilesConfig | None = N
     cfg = config or default_tiles_config()
     tiles = math.ceil(n / (8 if kind == "gate_up" else 16))
     threads = 32 * cfg.warps
-    template = [("T", "bfloat16"), ("NW", cfg.warps), ("RS", tiles_row_stride(k)), ("NC", cfg.chunks)]
+    template = [("T", "bfloat16"), ("NW", cfg.warps), ("RS", tiles_row_stride(k)), ("NC", cfg.chunks),
+                ("BI", tiles_bias_pitch(m) if cfg.bias else 0)]
     return qm.LaunchPlan(template, (tiles * threads, 1, 1), (threads, 1, 1), (m, n))
 
 
@@ -294,7 +359,7 @@ def _launch(kind, x, blocks, rows, n, config, init_value, out_shape):
     cfg = config or default_tiles_config()
     return qm.launch_hopper_q4_0("tiles", _DEFS[kind], x, blocks, rows,
                                  lambda: plan_tiles(kind, math.prod(x.shape[:-1]), n, x.shape[-1], cfg),
-                                 tiles_launch_shared(x.shape[-1], cfg), init_value, out_shape)  # fmt: skip
+                                 tiles_launch_shared(x.shape[-1], cfg, math.prod(x.shape[:-1])), init_value, out_shape)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,7 +374,7 @@ def _case(rng, kind, n, k, config, m=1, lead=None):
     plan = plan_tiles(kind, m, n, k, config)
     return dataclasses.replace(case, template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
                                label=f"tiles M={m} {kind} N={n} K={k} {config}",
-                               cuda_shared_memory=tiles_launch_shared(k, config))  # fmt: skip
+                               cuda_shared_memory=tiles_launch_shared(k, config, m))  # fmt: skip
 
 
 def _cases(kind: str):
@@ -318,7 +383,8 @@ def _cases(kind: str):
     shorter than the others (K = 5376: 21 steps in chunks of 6), a row stride with padding (K = 2560:
     90 words) and without (K = 768, 5376), a tile past 48 KB of shared memory (K = 6144, the largest
     the model routes there), a tile just under 48 KB whose static arrays take the block over it
-    (K = 5120)."""
+    (K = 5120); the bias form at 1, 2 (K = 6144: the largest tile and its table), odd, 5 and 8
+    tokens."""
 
     def make(rng: np.random.Generator):
         c = TilesConfig
@@ -326,10 +392,13 @@ def _cases(kind: str):
             return [_case(rng, kind, 37, 5376, c(4, 4), 8), _case(rng, kind, 45, 2560, c(2, 1), 1),
                     _case(rng, kind, 16, 256, c(8, 8), 3), _case(rng, kind, 130, 768, c(1, 2), 6, (2, 3)),
                     _case(rng, kind, 9, 2816, c(8, 4), 1), _case(rng, kind, 19, 6144, c(8, 4), 1),
-                    _case(rng, kind, 40, 5120, c(8, 4), 1)]  # fmt: skip
+                    _case(rng, kind, 40, 5120, c(8, 4), 1), _case(rng, kind, 37, 5376, c(8, 4, 1), 1),
+                    _case(rng, kind, 16, 256, c(8, 8, 1), 3), _case(rng, kind, 130, 768, c(1, 2, 1), 8, (2, 4)),
+                    _case(rng, kind, 19, 6144, c(8, 4, 1), 2)]  # fmt: skip
         return [_case(rng, kind, 11, 5376, c(8, 4), 1), _case(rng, kind, 13, 512, c(1, 8), 2),
                 _case(rng, kind, 21, 768, c(2, 1), 7, (7, 1)), _case(rng, kind, 70, 2560, c(8, 2), 1),
-                _case(rng, kind, 5, 2816, c(4, 4), 4)]  # fmt: skip
+                _case(rng, kind, 5, 2816, c(4, 4), 4), _case(rng, kind, 11, 5376, c(8, 4, 1), 1),
+                _case(rng, kind, 21, 768, c(2, 1, 1), 5, (5, 1))]  # fmt: skip
 
     return make
 

@@ -30,13 +30,17 @@ def test_plans_and_refusals(monkeypatch):
     assert qt.default_tiles_config() == qt.TilesConfig(8, 4)
     plan = qt.plan_tiles("dense", 1, 21504, 5376)
     assert plan.grid == (1344 * 256, 1, 1) and plan.threadgroup == (256, 1, 1) and plan.output_shape == (1, 21504)
-    assert dict(plan.template) == {"T": "bfloat16", "NW": 8, "RS": 3024, "NC": 4}
+    assert dict(plan.template) == {"T": "bfloat16", "NW": 8, "RS": 3024, "NC": 4, "BI": 0}
+    for m, pitch in ((1, 2), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)):  # the bias table's tokens
+        assert dict(qt.plan_tiles("dense", m, 64, 512, qt.TilesConfig(8, 4, 1)).template)["BI"] == pitch
     plan = qt.plan_tiles("gate_up", 8, 21504, 5376, qt.TilesConfig(4, 1))
     assert plan.grid == (2688 * 128, 1, 1) and plan.output_shape == (8, 21504) and dict(plan.template)["NC"] == 1
     assert qt.plan_tiles("dense", 3, 17, 256, qt.TilesConfig(4)).grid == (2 * 128, 1, 1)  # a partial last tile
     monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, "warps=2,chunks=8")
     assert qt.default_tiles_config() == qt.TilesConfig(2, 8)
-    for bad in ("warps=3", "chunks=3", "rows=2"):
+    monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, "bias=1")
+    assert qt.default_tiles_config() == qt.TilesConfig(8, 4, 1)
+    for bad in ("warps=3", "chunks=3", "rows=2", "bias=2"):
         monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, bad)
         with pytest.raises(ValueError, match=qt.TILES_GEOMETRY_ENV):
             qt.default_tiles_config()
@@ -63,6 +67,19 @@ def test_launch_shared_raises_the_limit_where_the_static_arrays_would_cross_48_k
     assert qt.tiles_launch_shared(5120, c(1, 4)) == qt.tiles_shared_bytes(5120) == 46336  # + 544
     assert qt.tiles_launch_shared(5376, c(8, 4)) == qt.tiles_shared_bytes(5376) == 48384  # MLX raises it
     assert qt.tiles_launch_shared(3840, c(8, 4)) == qt.tiles_shared_bytes(3840) == 34560
+
+
+def test_bias_table_bytes():
+    """The bias form's table after the tile: each block's sums of 2, 4 or 8 tokens, twice, in f32
+    (at K = 5376 and one token 2,688 bytes: four thread blocks of 8 warps still fit an SM's 228 KB)."""
+    c = qt.TilesConfig
+    assert qt.tiles_shared_bytes(5376, 1, 1) == 48384 + 168 * 2 * 2 * 4 == 51072
+    assert qt.tiles_shared_bytes(5376, 2, 1) == 51072 and qt.tiles_shared_bytes(5376, 3, 1) == 48384 + 168 * 32
+    assert qt.tiles_shared_bytes(5376, 8, 1) == 48384 + 168 * 64 and qt.tiles_shared_bytes(5376, 8, 0) == 48384
+    static = 4 * 8 * 16 * 8 + 8 * 4
+    assert 4 * (qt.tiles_launch_shared(5376, c(8, 4, 1), 1) + static + 1024) <= 228 * 1024
+    # K = 5120: the table takes the tile (46,336 bytes) past MLX's raise threshold: asked as it is
+    assert qt.tiles_shared_bytes(5120, 1, 1) == 46336 + 160 * 16 and qt.tiles_launch_shared(5120, c(8, 4, 1), 1) == 48896
 
 
 def test_routing_on_cuda(monkeypatch):

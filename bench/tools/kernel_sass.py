@@ -2,6 +2,7 @@
 block step (16 rows x 32 weights: two mma.sync) of each loop that holds mma instructions.
 
     python bench/tools/kernel_sass.py [--cuobjdump PATH] [--slots 8 --f 704 --h 2816]
+    python bench/tools/kernel_sass.py --family tiles [--kind gate_up --n 21504 --k 5376] [--ops]
 
 The kernel text is wrapped as MLX wraps a custom kernel (tests/test_metal_compile.py's cuda_text
 harness), instantiated for each geometry of bench/kernels.py's MOE_VARIANTS at the given shapes
@@ -14,6 +15,7 @@ per block step is the number a text change should cut before it goes to the GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -31,11 +33,11 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import test_metal_compile as harness  # noqa: E402  (the MLX-style CUDA wrapping)
 
 from custom_kernels import moe_experts as me  # noqa: E402
+from custom_kernels import quant_tiles as qt  # noqa: E402
 
 
-def cuda_source(slots: int, f: int, h: int, configs) -> tuple[str, list[str]]:
-    """One translation unit with a kernel per geometry (named k_s<sets>_w<warps>) and their names."""
-    spec = me.kernel_specs()[0]
+def cuda_source(spec, instances: dict[str, list[tuple[str, object]]]) -> str:
+    """One translation unit holding spec's kernel once per instance: {kernel name: template args}."""
     case = spec.cases(np.random.default_rng(0))[0]  # parameter types and ranks only
     params = []
     for name in spec.input_names:
@@ -45,24 +47,37 @@ def cuda_source(slots: int, f: int, h: int, configs) -> tuple[str, list[str]]:
                 params.append(f"const __grid_constant__ {ctype} {name}{sfx}")
     params += [f"{harness.CUDA_TYPES[d]}* {n}" for n, d in zip(spec.output_names, case.output_dtypes)]
     src = harness.MLX_CUDA_DEFAULT_HEADER + spec.cuda_header + "namespace mlx::core::cu {\n"
-    names = []
-    for cfg in configs:
-        plan, _ = me.plan_moe_experts(slots, f, h, cfg)
-        name = f"k_s{cfg.sets}_w{cfg.warps}"
-        names.append(name)
+    for name, template in instances.items():
         src += f"__global__ void {name}(" + ", ".join(params) + ") {\n"
-        for n, v in plan.template:
+        for n, v in template:
             src += f"  using {n} = __nv_bfloat16;\n" if v == "bfloat16" else f"  constexpr int {n} = {v};\n"
         src += spec.cuda_source + "\n}\n"
-    return src + "}\n", names
+    return src + "}\n"
 
 
-def mma_loops(sass: str) -> dict[str, list[tuple[int, int]]]:
-    """Per kernel name: (instructions, mma instructions) of each loop (a backward branch's body)
-    that holds HMMA."""
+def moe_instances(slots: int, f: int, h: int):
+    """(spec, {name: template}) of the expert kernel at each of bench/kernels.py's MOE_VARIANTS."""
+    from kernels import MOE_VARIANTS
+
+    return me.kernel_specs()[0], {f"k_s{c.sets}_w{c.warps}": me.plan_moe_experts(slots, f, h, c)[0].template
+                                  for c in MOE_VARIANTS}  # fmt: skip
+
+
+def tiles_instances(kind: str, n: int, k: int):
+    """(spec, {name: template}) of a tiles kernel (dense or gate_up) at the default config, with
+    bias 0 and 1."""
+    spec = {s.name: s for s in qt.kernel_specs()}[qt._DEFS[kind].name]
+    base = qt.default_tiles_config()
+    return spec, {f"k_tiles_{kind}_k{k}_bias{b}": qt.plan_tiles(kind, 1, n, k, dataclasses.replace(base, bias=b)).template
+                  for b in (0, 1)}  # fmt: skip
+
+
+def mma_loops(sass: str, names) -> dict[str, list[list[str]]]:
+    """Per kernel name: the instructions of each loop (a backward branch's body) that holds HMMA."""
     out = {}
     for part in re.split(r"\n\s+Function : ", sass)[1:]:
-        name = re.search(r"k_s\d+_w\d+", part.split("\n", 1)[0]).group(0)
+        header = part.split("\n", 1)[0]
+        name = max((n for n in names if f"{len(n)}{n}" in header), key=len, default=None)
         ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", part)]
         at = {a: i for i, (a, _) in enumerate(ins)}
         loops = []
@@ -70,48 +85,65 @@ def mma_loops(sass: str) -> dict[str, list[tuple[int, int]]]:
             target = re.search(r"BRA (0x[0-9a-f]+)", text)
             if target and int(target.group(1), 16) < a and int(target.group(1), 16) in at:
                 body = [t for _, t in ins[at[int(target.group(1), 16)]:i + 1]]
-                mma = sum("HMMA" in t for t in body)
-                if mma:
-                    loops.append((len(body), mma))
+                if any("HMMA" in t for t in body):
+                    loops.append(body)
         out[name] = loops
     return out
 
 
-def main(argv=None) -> int:
-    from kernels import MOE_VARIANTS
+def opcode_counts(body: list[str]) -> dict[str, int]:
+    """Opcode (predicate and modifiers dropped) -> count, most frequent first."""
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body]
+    return dict(sorted(((o, ops.count(o)) for o in set(ops)), key=lambda kv: -kv[1]))
 
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump"), help="cuobjdump binary")
-    ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--f", type=int, default=704)
-    ap.add_argument("--h", type=int, default=2816)
+    ap.add_argument("--family", choices=("moe", "tiles"), default="moe")
+    ap.add_argument("--slots", type=int, default=8, help="moe: expert slots")
+    ap.add_argument("--f", type=int, default=704, help="moe: expert width")
+    ap.add_argument("--h", type=int, default=2816, help="moe: hidden size")
+    ap.add_argument("--kind", choices=("dense", "gate_up"), default="gate_up", help="tiles: which kernel")
+    ap.add_argument("--n", type=int, default=21504, help="tiles: N (dense) or F (gate_up)")
+    ap.add_argument("--k", type=int, default=5376, help="tiles: K")
+    ap.add_argument("--ops", action="store_true", help="also print each loop's opcode counts")
     args = ap.parse_args(argv)
     if shutil.which("nvcc") is None or not args.cuobjdump:
         print("needs nvcc and cuobjdump (--cuobjdump)", file=sys.stderr)
         return 2
+    if args.family == "moe":
+        spec, instances = moe_instances(args.slots, args.f, args.h)
+        title = f"moe_experts, S={args.slots} F={args.f} H={args.h}"
+    else:
+        spec, instances = tiles_instances(args.kind, args.n, args.k)
+        title = f"{spec.name}, N={args.n} K={args.k}, {qt.default_tiles_config()}"
     with tempfile.TemporaryDirectory() as tmp:
         inc = os.path.join(tmp, "mlx", "backend", "cuda", "device")
         os.makedirs(inc)
         with open(os.path.join(inc, "utils.cuh"), "w") as fh:
             fh.write(harness.MLX_CUDA_UTILS_STUB)
-        src, names = cuda_source(args.slots, args.f, args.h, MOE_VARIANTS)
-        cu, cubin = os.path.join(tmp, "moe.cu"), os.path.join(tmp, "moe.cubin")
+        cu, cubin = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.cubin")
         with open(cu, "w") as fh:
-            fh.write(src)
+            fh.write(cuda_source(spec, instances))
         build = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", cubin, f"-I{tmp}", cu],
                                capture_output=True, text=True)  # fmt: skip
         if build.returncode:
             print(build.stdout + build.stderr, file=sys.stderr)
             return 1
-        regs = dict(re.findall(r"Function properties for \S*?(k_s\d+_w\d+)\S*[\s\S]*?Used (\d+) registers", build.stderr))
-        if not regs:  # ptxas prints "Compiling entry function" then "Used N registers" per kernel
-            regs = dict(re.findall(r"entry function '\S*?(k_s\d+_w\d+)\S*'[\s\S]*?Used (\d+) registers", build.stderr))
+        # ptxas prints "Compiling entry function '<mangled>'" then "Used N registers" per kernel
+        regs = {}
+        for mangled, n in re.findall(r"entry function '(\S+)'[\s\S]*?Used (\d+) registers", build.stderr):
+            regs.update({name: n for name in instances if f"{len(name)}{name}" in mangled})
         sass = subprocess.run([args.cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    loops = mma_loops(sass)
-    print(f"moe_experts, S={args.slots} F={args.f} H={args.h}: registers; instructions per block step of each mma loop")
-    for name in names:
-        per_step = ", ".join(f"{2 * n / m:.1f}" for n, m in loops.get(name, []))
+    loops = mma_loops(sass, list(instances))
+    print(f"{title}: registers; instructions per block step (two mma.sync: 16 rows x 32 weights) of each mma loop")
+    for name in instances:
+        per_step = ", ".join(f"{2 * len(b) / sum('HMMA' in t for t in b):.1f}" for b in loops.get(name, []))
         print(f"  {name:10s} {regs.get(name, '?'):>3s} registers; {per_step}")
+        if args.ops:
+            for b in loops.get(name, []):
+                print("    " + ", ".join(f"{o} {c}" for o, c in opcode_counts(b).items()))
     return 0
 
 
