@@ -674,7 +674,7 @@ def tiles_case(model, name, kind, n, k, ms, dtype, quick, on_gpu) -> list[dict]:
         variants = {"dispatch": dispatch}
         if on_gpu and custom_kernels.backend() == "cuda" and qt.tiles_supported(dtype, k):
             for cfg in TILES_CONFIGS:
-                variants[f"tiles w{cfg.warps}c{cfg.chunks}"] = lambda w, c=cfg: tiles(x, w, n, c)
+                variants[f"tiles w{cfg.warps}c{cfg.chunks}" + ("b" if cfg.bias else "")] = lambda w, c=cfg: tiles(x, w, n, c)
         for impl, fn in variants.items():
             calls = [lambda w=w, fn=fn: fn(w) for w in weights]
             out.append(dict(model=model, name=name, impl=impl, N=rows_n, K=k, M=m, sets=len(weights),

@@ -22,7 +22,10 @@ process 31B decode at 4K went from 85.4 to 90.2 tok/s with it.
 Shared memory: the tile's 16 rows at a stride of an odd number of 16-byte words (the row's bytes,
 plus 16 when they are an even number of words), so that lane (g, t)'s 4-byte reads of rows g = 0..7
 fall in distinct banks. K must be a multiple of 256 (row bytes a multiple of 16 for the bulk copies);
-rows or x off alignment take 2-byte loads (the copy by every thread, then a barrier).
+rows or x off alignment take 2-byte loads (the copy by every thread, then a barrier). With
+TilesConfig.bias (the default) a table of each block's x sums follows the tile, and the weights
+enter the mma as 128 + q: one PRMT per pair instead of a PRMT and a subtraction, the 136 taken off
+by starting each block's mma from -136 x its x sums (session 25: the 31B gate|up 53.0 -> 47.8 us).
 """
 
 from __future__ import annotations
@@ -57,12 +60,18 @@ class TilesConfig:
     """Warps per threadgroup (they split the tile's 256-weight steps), chunks (each row arrives
     in this many bulk copies along K, each with its own barrier: the warps start on the first) and
     bias (1: the weights enter the mma as 128 + q, one PRMT a pair instead of a PRMT and a
-    subtraction, and each block's mma starts from -136 x the block's x sum, summed once per
-    threadgroup into shared memory after the tile: 4 M K / 32 bytes more)."""
+    subtraction, and each block's mma starts from -136 x the block's x sums, summed once per
+    threadgroup into shared memory after the tile: tiles_shared_bytes).
+
+    The default, 8 warps x 2 chunks with bias, measured on the H200 (bench/NOTES.md, session 25):
+    one call at a time the 31B gate|up 53.0 -> 47.8 us and 12B's 30.8 -> 27.8 against session
+    23's 8 x 4 without bias, q|k|v equal (24.5 / 24.1); in one process at 4K 31B 85.7 -> 88.3 and
+    12B 134.5 -> 146.2 tok/s (medians of 3 noisy rounds). The bias form rounds differently: the
+    mma sums 136 x the block's |x| more before the cancellation (f32, ~2^-17 of a block's bound)."""
 
     warps: int = 8
-    chunks: int = 4
-    bias: int = 0
+    chunks: int = 2
+    bias: int = 1
 
     def __post_init__(self):
         if type(self.warps) is not int or self.warps not in (1, 2, 4, 8):
@@ -387,7 +396,7 @@ def _cases(kind: str):
     tokens."""
 
     def make(rng: np.random.Generator):
-        c = TilesConfig
+        c = lambda warps, chunks, bias=0: TilesConfig(warps, chunks, bias)  # noqa: E731
         if kind == "dense":
             return [_case(rng, kind, 37, 5376, c(4, 4), 8), _case(rng, kind, 45, 2560, c(2, 1), 1),
                     _case(rng, kind, 16, 256, c(8, 8), 3), _case(rng, kind, 130, 768, c(1, 2), 6, (2, 3)),

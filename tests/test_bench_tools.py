@@ -137,9 +137,15 @@ def test_kernel_sass_counts_mma_loops():
         /*0060*/               @P1 BRA 0x50 ;
         /*0070*/                   EXIT ;
 """
-    assert kernel_sass.mma_loops(sass) == {"k_s3_w16": [(4, 2)]}  # the mma-free loop is not one
+    loops = kernel_sass.mma_loops(sass, ["k_s3_w1", "k_s3_w16"])  # the longest name the header holds
+    assert list(loops) == ["k_s3_w16"] and len(loops["k_s3_w16"]) == 1  # the mma-free loop is not one
+    body = loops["k_s3_w16"][0]
+    assert len(body) == 4 and kernel_sass.opcode_counts(body) == {"HMMA": 2, "LDS": 1, "BRA": 1}
     from custom_kernels import moe_experts as me
 
-    src, names = kernel_sass.cuda_source(8, 704, 2816, [me.MoeConfig(3, 16), me.MoeConfig(2, 8)])
-    assert names == ["k_s3_w16", "k_s2_w8"] and src.count("__global__ void k_s") == 2
+    spec, instances = kernel_sass.moe_instances(8, 704, 2816)
+    src = kernel_sass.cuda_source(spec, {"k_s3_w16": dict(instances)["k_s3_w16"], "k_s2_w8": dict(instances)["k_s2_w8"]})
+    assert src.count("__global__ void k_s") == 2
     assert "constexpr int SETS = 3;" in src and "constexpr int NW = 8;" in src
+    spec, instances = kernel_sass.tiles_instances("gate_up", 21504, 5376)
+    assert [dict(t)["BI"] for t in instances.values()] == [0, 2] and spec.name == "g4_q4_0_gate_up_tiles"

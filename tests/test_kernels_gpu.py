@@ -487,8 +487,8 @@ def test_q4_0_tiles_kernels(n, k):
     fallbacks)."""
     from custom_kernels import quant_tiles as qt
 
-    configs = (qt.TilesConfig(1, 1), qt.TilesConfig(2, 8), qt.TilesConfig(4, 2), qt.TilesConfig(8, 4), qt.TilesConfig(8, 1),
-               qt.TilesConfig(8, 4, 1), qt.TilesConfig(1, 1, 1), qt.TilesConfig(2, 8, 1))
+    configs = (qt.TilesConfig(1, 1, 0), qt.TilesConfig(2, 8, 0), qt.TilesConfig(4, 2, 0), qt.TilesConfig(8, 4, 0),
+               qt.TilesConfig(8, 1, 0), qt.TilesConfig(8, 4, 1), qt.TilesConfig(1, 1, 1), qt.TilesConfig(2, 8, 1))
     _check_token_kernels(n, k, 53, configs, qt.launch_dense_tiles, qt.launch_gate_up_tiles, "tiles")
 
 

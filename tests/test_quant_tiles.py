@@ -27,8 +27,8 @@ def test_row_stride_is_an_odd_number_of_16_byte_words():
 
 def test_plans_and_refusals(monkeypatch):
     monkeypatch.delenv(qt.TILES_GEOMETRY_ENV, raising=False)
-    assert qt.default_tiles_config() == qt.TilesConfig(8, 4)
-    plan = qt.plan_tiles("dense", 1, 21504, 5376)
+    assert qt.default_tiles_config() == qt.TilesConfig(8, 2, 1)
+    plan = qt.plan_tiles("dense", 1, 21504, 5376, qt.TilesConfig(8, 4, 0))
     assert plan.grid == (1344 * 256, 1, 1) and plan.threadgroup == (256, 1, 1) and plan.output_shape == (1, 21504)
     assert dict(plan.template) == {"T": "bfloat16", "NW": 8, "RS": 3024, "NC": 4, "BI": 0}
     for m, pitch in ((1, 2), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)):  # the bias table's tokens
@@ -37,9 +37,9 @@ def test_plans_and_refusals(monkeypatch):
     assert plan.grid == (2688 * 128, 1, 1) and plan.output_shape == (8, 21504) and dict(plan.template)["NC"] == 1
     assert qt.plan_tiles("dense", 3, 17, 256, qt.TilesConfig(4)).grid == (2 * 128, 1, 1)  # a partial last tile
     monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, "warps=2,chunks=8")
-    assert qt.default_tiles_config() == qt.TilesConfig(2, 8)
-    monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, "bias=1")
-    assert qt.default_tiles_config() == qt.TilesConfig(8, 4, 1)
+    assert qt.default_tiles_config() == qt.TilesConfig(2, 8, 1)
+    monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, "bias=0")
+    assert qt.default_tiles_config() == qt.TilesConfig(8, 2, 0)
     for bad in ("warps=3", "chunks=3", "rows=2", "bias=2"):
         monkeypatch.setenv(qt.TILES_GEOMETRY_ENV, bad)
         with pytest.raises(ValueError, match=qt.TILES_GEOMETRY_ENV):
@@ -61,7 +61,7 @@ def test_plans_and_refusals(monkeypatch):
 def test_launch_shared_raises_the_limit_where_the_static_arrays_would_cross_48_kb():
     """A tile at or below MLX's raise threshold whose sum with part_s and the barriers is over 48 KB
     is asked as just above the threshold (the H200 refused such a launch as asked); the rest as it is."""
-    c = qt.TilesConfig
+    c = lambda warps, chunks: qt.TilesConfig(warps, chunks, 0)  # noqa: E731
     assert qt.tiles_launch_shared(5120, c(8, 4)) == qt.MLX_RAISE_ABOVE + 16  # 46,336 + 4,128 static
     assert qt.tiles_launch_shared(5120, c(8, 1)) == qt.MLX_RAISE_ABOVE + 16  # 46,336 + 4,104
     assert qt.tiles_launch_shared(5120, c(1, 4)) == qt.tiles_shared_bytes(5120) == 46336  # + 544
