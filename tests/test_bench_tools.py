@@ -144,7 +144,7 @@ def test_kernel_sass_counts_mma_loops():
     from custom_kernels import moe_experts as me
 
     spec, instances = kernel_sass.moe_instances(8, 704, 2816)
-    src = kernel_sass.cuda_source(spec, {"k_s3_w16": dict(instances)["k_s3_w16"], "k_s2_w8": dict(instances)["k_s2_w8"]})
+    src = kernel_sass.cuda_source(spec, {"k_s3_w16": instances["k_s3_w16"], "k_s2_w8": instances["k_s2_w8"]})
     assert src.count("__global__ void k_s") == 2
     assert "constexpr int SETS = 3;" in src and "constexpr int NW = 8;" in src
     spec, instances = kernel_sass.tiles_instances("gate_up", 21504, 5376)

@@ -483,8 +483,8 @@ def test_q4_0_runs_m_kernels(n, k):
 @pytest.mark.parametrize("n,k", [(2048, 5376), (1003, 2560), (77, 8192), (40, 256), (300, 768)])
 def test_q4_0_tiles_kernels(n, k):
     """The tiles kernels (custom_kernels.quant_tiles, dense and gate|up), every warp and chunk
-    count, with and without the bias form, as _check_token_kernels runs them (the misaligned inputs take the 2-byte copy and x
-    fallbacks)."""
+    count, with and without the bias form, as _check_token_kernels runs them (the misaligned
+    inputs take the 2-byte copy and x fallbacks)."""
     from custom_kernels import quant_tiles as qt
 
     configs = (qt.TilesConfig(1, 1, 0), qt.TilesConfig(2, 8, 0), qt.TilesConfig(4, 2, 0), qt.TilesConfig(8, 4, 0),

@@ -1,14 +1,17 @@
-"""Static SASS of the one-launch MoE expert kernel, without a GPU: registers and instructions per
-block step (16 rows x 32 weights: two mma.sync) of each loop that holds mma instructions.
+"""Static SASS of the one-launch MoE expert kernel or the tiles kernels, without a GPU: registers and
+instructions per block step (16 rows x 32 weights: two mma.sync) of each loop that holds mma
+instructions (--ops: and the loop's opcode counts).
 
     python bench/tools/kernel_sass.py [--cuobjdump PATH] [--slots 8 --f 704 --h 2816]
     python bench/tools/kernel_sass.py --family tiles [--kind gate_up --n 21504 --k 5376] [--ops]
 
 The kernel text is wrapped as MLX wraps a custom kernel (tests/test_metal_compile.py's cuda_text
 harness), instantiated for each geometry of bench/kernels.py's MOE_VARIANTS at the given shapes
-(default 26B-A4B's), compiled by the local nvcc for sm_90 and disassembled by cuobjdump (not in
-nvcc's minimal install: `pip download --no-deps nvidia-cuda-cuobjdump` has it under nvidia/cu13/bin).
-The kernel is bound by its instructions' latency (bench/NOTES.md, sessions 19-20), so instructions
+(default 26B-A4B's) or for the tiles kernel's default config with bias 0 and 1 (default: the 31B
+gate|up), compiled by the local nvcc for sm_90 and disassembled by cuobjdump (not in
+nvcc's minimal install: `pip download --no-deps nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` have
+cuobjdump and the nvdisasm it calls under nvidia/cu13/bin; put that folder on PATH).
+The kernels are bound by its instructions' latency (bench/NOTES.md, sessions 19-20), so instructions
 per block step is the number a text change should cut before it goes to the GPU.
 """
 
