@@ -11,7 +11,7 @@ harness), instantiated for each geometry of bench/kernels.py's MOE_VARIANTS at t
 gate|up), compiled by the local nvcc for sm_90 and disassembled by cuobjdump (not in
 nvcc's minimal install: `pip download --no-deps nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` have
 cuobjdump and the nvdisasm it calls under nvidia/cu13/bin; put that folder on PATH).
-The kernels are bound by its instructions' latency (bench/NOTES.md, sessions 19-20), so instructions
+The kernels are bound by their instructions' latency (bench/NOTES.md, sessions 19-20), so instructions
 per block step is the number a text change should cut before it goes to the GPU.
 """
 
