@@ -76,8 +76,9 @@ def test_bias_table_bytes():
     assert qt.tiles_shared_bytes(5376, 1, 1) == 48384 + 168 * 2 * 2 * 4 == 51072
     assert qt.tiles_shared_bytes(5376, 2, 1) == 51072 and qt.tiles_shared_bytes(5376, 3, 1) == 48384 + 168 * 32
     assert qt.tiles_shared_bytes(5376, 8, 1) == 48384 + 168 * 64 and qt.tiles_shared_bytes(5376, 8, 0) == 48384
-    static = 4 * 8 * 16 * 8 + 8 * 4
-    assert 4 * (qt.tiles_launch_shared(5376, c(8, 4, 1), 1) + static + 1024) <= 228 * 1024
+    for cfg in (c(8, 4, 1), qt.TilesConfig()):  # and the default, 2 chunks
+        static = 4 * cfg.warps * 16 * 8 + 8 * cfg.chunks
+        assert 4 * (qt.tiles_launch_shared(5376, cfg, 1) + static + 1024) <= 228 * 1024
     # K = 5120: the table takes the tile (46,336 bytes) past MLX's raise threshold: asked as it is
     assert qt.tiles_shared_bytes(5120, 1, 1) == 46336 + 160 * 16 and qt.tiles_launch_shared(5120, c(8, 4, 1), 1) == 48896
 
