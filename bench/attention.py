@@ -4,7 +4,8 @@ For each model's sliding layer (a full ring: window + slack slots) and full laye
 valid positions in a capacity rounded up as the decode step does), one run reports per geometry:
 microseconds per call, GB/s of the K and V bytes the call must read, and that rate as a fraction
 of the copy bandwidth measured in the same run; plus mx.fast.scaled_dot_product_attention over the
-valid K/V (what mlx-lm runs). Times are GPU kernel time per call from a CUPTI trace (torch.profiler;
+valid K/V (what mlx-lm runs); where they apply, the one-launch kernel (g4_attn_decode) and its
+staged form (g4_attn_decode_staged) at each geometry. Times are GPU kernel time per call from a CUPTI trace (torch.profiler;
 bench/gpu_timeline.py): wall-clock time of back-to-back calls is MLX's host cost per op at these
 sizes (~25 us whatever the geometry), so it is printed but not used. Caches rotate over >= 8 sets (>= 512 MiB) so the L2 cannot serve them.
 
@@ -92,6 +93,18 @@ def time_geometries(c: dict, geometries: dict, quick: bool) -> list[dict]:
                              **gpu_time(calls)))
         except ValueError as exc:
             rows.append(dict(impl="g4_attn", geometry=name, error=str(exc)))
+            continue
+        # the one launch (family attention_fused) and its staged form (attention_staged), where they apply
+        for impl, staged, ok in (("g4_attn_decode", False, at.fused_supported),
+                                 ("g4_attn_decode_staged", True, at.staged_supported)):  # fmt: skip
+            if not ok(plan):
+                continue
+            counters = at.new_attention_counters()
+            calls = [lambda k=k, v=v, cfg=cfg, staged=staged: at.launch_decode_attention(
+                c["q"], k, v, c["positions"], c["q_pos"], c["window"], None if c["window"] else c["valid"], cfg,
+                counters=counters, staged=staged) for k, v in c["kvs"]]  # fmt: skip
+            sec = kernels.time_rotating(calls, quick)
+            rows.append(dict(impl=impl, geometry=name, parts=plan.parts, wall_us=sec * 1e6, **gpu_time(calls)))
     valid = c["valid"]
     slots_k = [(k[:, :, :valid], v[:, :, :valid]) for k, v in c["kvs"]]
     sdpa = mx.fast.scaled_dot_product_attention  # GQA by broadcasting the kv heads

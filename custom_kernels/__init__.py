@@ -115,8 +115,11 @@ CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "qu
                        "router_fused", "attention_fused", "quant_matvec_tiles"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"matvec_norm"})
+OPT_IN = frozenset({"matvec_norm", "attention_staged"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
+"attention_staged" (the one-launch decode attention with each tile's K and V rows bulk-copied
+into shared memory before the query rows load, custom_kernels.attention's g4_attn_decode_staged,
+CUDA on Hopper only; used where "attention_fused" is): not yet run on a GPU;
 "matvec_norm" (a one-token Q4_0 / Q8_0 split-K projection and the residual norm after it in one
 launch, custom_kernels.matvec_norm, CUDA only): passed its registry cases, operator tests,
 compute-sanitizer and the model tests in session 22, but lost on the GPU: 33 launches fewer per

@@ -76,7 +76,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import (KernelSource, backend, check_ticket_counters, dtype_name, geometry_override, template_args, ticket_counters,
+from . import (KernelSource, backend, check_ticket_counters, cuda_arch, dtype_name, geometry_override, template_args, ticket_counters,
                 use_reference)
 from .dialect import prelude, render
 
@@ -98,6 +98,8 @@ __all__ = [
     "kernel_specs",
     "new_attention_counters",
     "fused_supported",
+    "staged_supported",
+    "staged_shared_bytes",
     "FUSED_MERGE_BYTES",
 ]
 
@@ -597,6 +599,96 @@ def _fused_body() -> str:
 
 _FUSED = KernelSource("g4_attn_decode", ("q", "k", "v", "kpos", "qpos", "n_slots", "counters"), ("ml", "pacc", "out"),
                       {"metal": ("", ""), "cuda": (_text("")["cuda"][0], _local(render(_fused_body(), "cuda"), "cuda"))})  # fmt: skip
+# The one launch with each tile's K and V rows brought into shared memory by two bulk copies
+# (family "attention_staged", CUDA on Hopper). In the one-tile partitions of the sliding layers
+# the loads were a chain: positions, then K, then V four slots at a time (about ten dependent
+# memory round trips per threadgroup for 32 slots). Here thread 0 issues the first tile's copies
+# before the query rows load, an mbarrier counts their bytes, and the score and value phases read
+# shared memory; the next tile's copies follow the trailing barrier of this one. Masked slots
+# arrive with the tile but are never used (their K rows become zeros, their V rows are skipped), so
+# the arithmetic and its order are the one launch's: the same bits. Caches off 16-byte alignment
+# take the global loads. Template: the partial kernel's.
+_STAGED_HELPERS = r"""
+// plain 4-element loads into f32 (shared or global memory; g4_load4 reads through the read-only
+// global path, which a shared address must not take)
+__device__ __forceinline__ void g4_attn_ld4(const float* p, float* o) {
+  const float4 a = *reinterpret_cast<const float4*>(p); o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+}
+__device__ __forceinline__ void g4_attn_ld4(const __nv_bfloat16* p, float* o) {
+  const uint2 a = *reinterpret_cast<const uint2*>(p);
+  o[0] = __uint_as_float(a.x << 16); o[1] = __uint_as_float(a.x & 0xffff0000u);
+  o[2] = __uint_as_float(a.y << 16); o[3] = __uint_as_float(a.y & 0xffff0000u);
+}
+__device__ __forceinline__ void g4_attn_ld4(const __half* p, float* o) {
+  const __half2* h = reinterpret_cast<const __half2*>(p);
+  const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
+  o[0] = a.x; o[1] = a.y; o[2] = b.x; o[3] = b.y;
+}
+"""
+_STAGED_SETUP = r"""
+  // staged: the tile's K rows at kv_s, its V rows at kv_s + TS D, from two bulk copies per tile
+  __shared__ __align__(128) uint8_t kv_raw[2 * TS * D * sizeof(KT)];
+  __shared__ __align__(8) uint64_t kv_bar;
+  KT* kv_s = reinterpret_cast<KT*>(kv_raw);
+  const uint32_t kv_bar_a = g4_shared_addr(&kv_bar);
+  const bool staged = ((reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15u) == 0;
+  auto issue = [&](int t) {  // thread 0: the copies of the tile at slot t
+    const uint32_t bytes = (uint32_t)((end - t < TS ? end - t : TS) * D * (int)sizeof(KT));
+    g4_mbar_expect_tx(kv_bar_a, 2u * bytes);
+    g4_bulk_copy(g4_shared_addr(kv_raw), reinterpret_cast<const uint8_t*>(kbase + (size_t)t * D), bytes, kv_bar_a);
+    g4_bulk_copy(g4_shared_addr(kv_raw) + TS * D * (int)sizeof(KT), reinterpret_cast<const uint8_t*>(vbase + (size_t)t * D),
+                 bytes, kv_bar_a);
+  };
+  if (staged && tid == 0) {
+    g4_mbar_init(kv_bar_a, 1);
+    g4_mbar_init_fence();
+    issue(start);
+  }
+  uint32_t kv_phase = 0u;
+"""
+_STAGED_EDITS = (
+    # the copies go out first thing, before the query rows load
+    ("  const $device KT* vbase = v + (size_t)bh * S * D;\n",
+     "  const $device KT* vbase = v + (size_t)bh * S * D;\n" + _STAGED_SETUP),
+    ("  for (int t0 = start; t0 < end; t0 += TS) {\n",
+     "  for (int t0 = start; t0 < end; t0 += TS) {\n"
+     "    if (staged) {\n      g4_mbar_wait(kv_bar_a, kv_phase);\n      kv_phase ^= 1u;\n    }\n"),
+    ("          const $device KT* kp = kbase + (size_t)(s0 + i) * D + 4 * lane;\n"
+     "          $unroll for (int j = 0; j < E / 4; ++j) g4_load4(kp + 128 * j, &kr[i][4 * j]);\n",
+     "          const KT* kp = (staged ? kv_s + (size_t)(s0 + i - t0) * D : kbase + (size_t)(s0 + i) * D) + 4 * lane;\n"
+     "          $unroll for (int j = 0; j < E / 4; ++j) g4_attn_ld4(kp + 128 * j, &kr[i][4 * j]);\n"),
+    ("          g4_load4(vbase + (size_t)(t0 + c + u) * D + 4 * dv, vv[u]);\n",
+     "          g4_attn_ld4((staged ? kv_s + (size_t)(TS + c + u) * D : vbase + (size_t)(t0 + c + u) * D) + 4 * dv, vv[u]);\n"),
+    # every thread is done with this tile's rows: the next tile's copies may overwrite them
+    ("    $barrier;\n  }\n\n  const size_t base",
+     "    $barrier;\n    if (staged && tid == 0 && t0 + TS < end) {\n"
+     "      asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\");\n      issue(t0 + TS);\n    }\n"
+     "  }\n\n  const size_t base"),
+)
+
+
+def _staged_body() -> str:
+    """_fused_body() with the staged loads (_STAGED_EDITS, each applied exactly once)."""
+    body = _fused_body().replace("attn_decode: the partial kernel, then the group's last partition merges",
+                                 "attn_decode_staged: the one launch, each tile's K and V rows bulk-copied to shared memory", 1)  # fmt: skip
+    for old, new in _STAGED_EDITS:
+        assert body.count(old) == 1, old
+        body = body.replace(old, new)
+    return body
+
+
+def _staged_text() -> tuple[str, str]:
+    from .quant_matvec import _MBAR_BULK_CUDA, _STREAM_CP_ASYNC_CUDA  # g4_shared_addr, mbarriers, bulk copies
+
+    header = _text("")["cuda"][0] + _STREAM_CP_ASYNC_CUDA + _MBAR_BULK_CUDA + _STAGED_HELPERS
+    return header, _local(render(_staged_body(), "cuda"), "cuda")
+
+
+_STAGED = KernelSource("g4_attn_decode_staged", _FUSED.input_names, _FUSED.output_names,
+                       {"metal": ("", ""), "cuda": _staged_text()})  # fmt: skip
+STAGED_ARCH = 90
+"""Compute capability the staged kernel needs (bulk copies, mbarrier transaction counts)."""
+
 ATTENTION_COUNTER_WORDS = 256
 """uint32 words of an attention layer's counters: one per (batch x kv head, query tile) group."""
 
@@ -770,15 +862,33 @@ def fused_supported(plan: DecodePlan) -> bool:
             and shared <= _SHARED_LIMIT["cuda"])  # fmt: skip
 
 
+def staged_shared_bytes(plan: DecodePlan) -> int:
+    """Static shared memory of g4_attn_decode_staged: the one launch's, plus a tile of K and V rows
+    (2 x TS x D cache elements) and the tile's mbarrier."""
+    t = dict(plan.partial_template)
+    elem = 4 if t["KT"] == "float32" else 2
+    return plan.shared_bytes + 8 * (FUSED_MERGE_BYTES // 4 // t["D"]) + 4 + 2 * t["TS"] * t["D"] * elem + 8
+
+
+def staged_supported(plan: DecodePlan) -> bool:
+    """True when a call with this plan may take g4_attn_decode_staged: where the one launch may
+    (fused_supported), on Hopper or later, with its tile of K and V rows within the static limit
+    (bf16 or f16 caches at head dim 256: 32 KB for the 32-slot tile)."""
+    return (fused_supported(plan) and cuda_arch() >= STAGED_ARCH
+            and staged_shared_bytes(plan) <= _SHARED_LIMIT["cuda"])  # fmt: skip
+
+
 def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
                             q_positions: mx.array, window: int | None = None, n_slots=None,
                             config: AttentionConfig | None = None, init_value: float | None = None,
                             out_shape: tuple[int, ...] | None = None,
-                            counters: mx.array | None = None) -> mx.array:  # fmt: skip
+                            counters: mx.array | None = None, staged: bool = False) -> mx.array:  # fmt: skip
     """Run the two kernels (GPU builds only, no fallback) -> [B, n_q, M, D] in q.dtype, or the same
     elements in ``out_shape`` (the merge kernel writes its rows flat: no reshape node). With
     ``counters`` (``new_attention_counters()``, one per sequence of calls that run one after
-    another: a layer's) the one launch of g4_attn_decode where ``fused_supported``.
+    another: a layer's) the one launch of g4_attn_decode where ``fused_supported``; with ``staged``
+    too, g4_attn_decode_staged where ``staged_supported`` (the same bits, K and V through shared
+    memory).
 
     ``init_value`` fills every output (partials included) before the kernels run (tests poison
     them with NaN)."""
@@ -790,7 +900,8 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
     inputs = [q, k_cache, v_cache, positions.astype(mx.int32), q_positions.astype(mx.int32), bound]
     if counters is not None and fused_supported(plan):
         check_ticket_counters(counters, ATTENTION_COUNTER_WORDS, "new_attention_counters")
-        *_, out = _FUSED.kernel()(
+        kernel = _STAGED if staged and staged_supported(plan) else _FUSED
+        *_, out = kernel.kernel()(
             inputs=[*inputs, counters],
             template=template_args(plan.partial_template),
             grid=plan.partial_grid,
@@ -824,7 +935,8 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
 
 def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
                      q_positions: mx.array, window: int | None = None, *, n_slots=None,
-                     merged: bool = False, counters: mx.array | None = None) -> mx.array:  # fmt: skip
+                     merged: bool = False, counters: mx.array | None = None,
+                     staged: bool = False) -> mx.array:  # fmt: skip
     """Attention of q [B, n_q, M, D] over whole cache buffers [B, n_kv, S, D] -> [B, n_q, M, D], or
     with ``merged`` [B, M, n_q * D] (each row's heads side by side, what the output projection
     reads; at M = 1 the kernel writes that shape directly, without a reshape node).
@@ -834,14 +946,16 @@ def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, position
     optional): slots 0..n_slots-1 are the only ones that can be attended (a full cache's length);
     default all S. Custom kernels on Metal/CUDA for head dim 128/256/512 and M <= 8, else
     ``decode_attention_reference``; with ``counters`` (``new_attention_counters()``, the layer's)
-    one launch where ``fused_supported``. Pass the cache buffers themselves: a non-contiguous
+    one launch where ``fused_supported``, and with ``staged`` its form that stages K and V in shared
+    memory where ``staged_supported``. Pass the cache buffers themselves: a non-contiguous
     slice is copied before a kernel reads it."""
     B, n_q, M, D, _, _ = _check(q, k_cache, v_cache, positions, q_positions, window)
     args = (q, k_cache, v_cache, positions, q_positions, window)
     kernels = not use_reference() and D in KERNEL_HEAD_DIMS and 1 <= M <= MAX_QUERY_ROWS
     if kernels and merged and M == 1:  # [B, n_q, 1, D] and [B, 1, n_q * D] are the same flat rows
-        return launch_decode_attention(*args, n_slots, out_shape=(B, 1, n_q * D), counters=counters)
-    out = launch_decode_attention(*args, n_slots, counters=counters) if kernels else decode_attention_reference(*args)
+        return launch_decode_attention(*args, n_slots, out_shape=(B, 1, n_q * D), counters=counters, staged=staged)
+    out = (launch_decode_attention(*args, n_slots, counters=counters, staged=staged) if kernels
+           else decode_attention_reference(*args))  # fmt: skip
     return out.transpose(0, 2, 1, 3).reshape(B, M, n_q * D) if merged else out
 
 
@@ -1121,13 +1235,33 @@ def _fused_cases(rng: np.random.Generator):
     ]  # fmt: skip
 
 
+def _staged_cases(rng: np.random.Generator):
+    """The one launch's problems whose tile of K and V fits the staged kernel's shared memory, then
+    at the Gemma 4 sliding shape (D = 256, G = 2, 32-slot tiles): a wrapped ring of one-tile
+    partitions with empty slots (the model's case), partitions of three tiles (the next tile's
+    copies after a tile) with a short last tile (the copies' length), and f16 caches."""
+    c = AttentionConfig
+    problems = [p for p in _common_problems()
+                if staged_shared_bytes(plan_decode(*p[2:6], len(p[7]), p[6], p[0], p[1], p[9], p[11], "cuda"))
+                <= _SHARED_LIMIT["cuda"]]  # fmt: skip
+    return [_partial_case(rng, *problem, fused=True) for problem in problems] + [
+        _partial_case(rng, "bfloat16", "bfloat16", 1, 4, 2, 1, 256, _ring(160, 300, 459, empty=(9, 70)), [459],
+                      128, 160, c(rows=16, simd_groups=4, tile=32, min_chunk=32, target_groups=10), fused=True),
+        _partial_case(rng, "bfloat16", "bfloat16", 1, 4, 2, 1, 256, np.arange(240), [230], None, 231,
+                      c(rows=16, simd_groups=4, tile=32, min_chunk=96, target_groups=6), fused=True),
+        _partial_case(rng, "float32", "float16", 1, 4, 1, 1, 128, _ring(72, 100, 171), [171], 64, 72,
+                      c(rows=8, simd_groups=1, tile=32, min_chunk=32, target_groups=3), fused=True),
+    ]  # fmt: skip
+
+
 def kernel_specs():
     """KernelSpec of the decode-attention kernels, with small emulator cases (odd tails included);
-    g4_attn_decode is CUDA only (an empty Metal text)."""
+    g4_attn_decode and g4_attn_decode_staged are CUDA only (an empty Metal text)."""
     from .registry import KernelSpec
 
     specs = []
-    for kdef, cases in ((_PARTIAL, _partial_cases), (_MERGE, _merge_cases), (_FUSED, _fused_cases)):
+    for kdef, cases in ((_PARTIAL, _partial_cases), (_MERGE, _merge_cases), (_FUSED, _fused_cases),
+                        (_STAGED, _staged_cases)):
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
         specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs, cases))
     return specs

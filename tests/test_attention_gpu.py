@@ -244,3 +244,43 @@ def test_fused_kernel_rows_without_keys_and_empty_cache():
     empty = at.launch_decode_attention(*args, 16, n_slots=0, init_value=NAN, counters=counters)
     assert float(mx.abs(empty).max()) == 0.0
     assert not np.array(counters).any()
+
+
+# (name, n_q, n_kv, window): the sliding layers of the published models, the staged kernel's calls
+SLIDING = [("31B", 32, 16, 1024), ("26B-A4B / 12B", 16, 8, 1024), ("E4B", 8, 2, 512), ("E2B", 8, 1, 512)]
+
+
+def _offset_view(x: mx.array, offset: int) -> mx.array:
+    """The same values as x, as a row-contiguous view `offset` bytes into a buffer."""
+    n = offset // x.itemsize
+    return mx.concatenate([mx.zeros((n,), x.dtype), x.reshape(-1)])[n:].reshape(x.shape)
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cuda" or custom_kernels.cuda_arch() < at.STAGED_ARCH,
+                    reason="g4_attn_decode_staged needs CUDA on Hopper")  # fmt: skip
+@pytest.mark.parametrize("name, n_q, n_kv, window", SLIDING, ids=[s[0] for s in SLIDING])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_staged_kernel_equals_the_one_launch(name, n_q, n_kv, window, dtype):
+    """g4_attn_decode_staged (family "attention_staged"): bit for bit g4_attn_decode on a wrapped
+    ring at one token, with the default geometry (one-tile partitions) and with partitions of three
+    tiles (the next tile's copies after a tile; the registry cases add a short last tile), poisoned outputs
+    and NaN in every slot no query may attend; within the oracle's bound; caches 8 bytes off
+    16-byte alignment take the global loads, the same bits; the counters left at zero."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + 31)
+    counters = at.new_attention_counters()
+    args, want, bound = _problem(rng, 1, n_q, n_kv, 1, 256, _ring(window + 32, 7000), [7000], window, dtype)
+    dt = custom_kernels.dtype_name(dtype)
+    base = at.default_config(256)
+    for config in (None, at.AttentionConfig(**{**base.__dict__, "min_chunk": 96})):
+        plan = at.plan_decode(1, n_q, n_kv, 1, window + 32, 256, dt, dt, window, config)
+        assert at.staged_supported(plan), f"{name}: {at.staged_shared_bytes(plan)} bytes of shared memory"
+        run = lambda a, staged: at.launch_decode_attention(*a, window, config=config, init_value=NAN,  # noqa: E731
+                                                            counters=counters, staged=staged)  # fmt: skip
+        one, staged = run(args, False), run(args, True)
+        what = f"{name} {dtype} {plan.parts} partitions"
+        _check(staged, want, bound, dtype, what + " staged")
+        assert mx.array_equal(staged, one).item(), f"{what}: staged not the one launch's bits"
+        q, k, v, pos, qpos = args
+        off = run((q, _offset_view(k, 8), _offset_view(v, 8), pos, qpos), True)
+        assert mx.array_equal(off, one).item(), f"{what}: caches off alignment not the one launch's bits"
+        assert not np.array(counters).any(), f"{what}: counters not reset"
