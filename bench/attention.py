@@ -104,7 +104,9 @@ def time_geometries(c: dict, geometries: dict, quick: bool) -> list[dict]:
                 c["q"], k, v, c["positions"], c["q_pos"], c["window"], None if c["window"] else c["valid"], cfg,
                 counters=counters, staged=staged) for k, v in c["kvs"]]  # fmt: skip
             sec = kernels.time_rotating(calls, quick)
-            rows.append(dict(impl=impl, geometry=name, parts=plan.parts, wall_us=sec * 1e6, **gpu_time(calls)))
+            rows.append(dict(impl=impl, geometry=name, parts=plan.parts, groups=plan.partial_grid[0] //
+                             plan.partial_threadgroup[0] * plan.parts * plan.partial_grid[2], wall_us=sec * 1e6,
+                             **gpu_time(calls)))
     valid = c["valid"]
     slots_k = [(k[:, :, :valid], v[:, :, :valid]) for k, v in c["kvs"]]
     sdpa = mx.fast.scaled_dot_product_attention  # GQA by broadcasting the kv heads
