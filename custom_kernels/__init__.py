@@ -119,7 +119,10 @@ OPT_IN = frozenset({"matvec_norm", "attention_staged"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
 "attention_staged" (the one-launch decode attention with each tile's K and V rows bulk-copied
 into shared memory before the query rows load, custom_kernels.attention's g4_attn_decode_staged,
-CUDA on Hopper only; used where "attention_fused" is): not yet run on a GPU;
+CUDA on Hopper only; used where "attention_fused" is): bit-equal to the one launch and passed
+its GPU tests in session 26, 20-45% less GPU time per call in bench/attention.py (31B sliding
+29.9 -> 23.6 us, 12B 45.6 -> 25.3) but only 21.7 -> 20.7 us per 31B sliding layer inside the
+decode step, and no decode gain in one process (31B at 4K 92.2 against 92.8 tok/s);
 "matvec_norm" (a one-token Q4_0 / Q8_0 split-K projection and the residual norm after it in one
 launch, custom_kernels.matvec_norm, CUDA only): passed its registry cases, operator tests,
 compute-sanitizer and the model tests in session 22, but lost on the GPU: 33 launches fewer per

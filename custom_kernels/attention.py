@@ -55,6 +55,10 @@ Kernel design (one body for Metal and CUDA through ``custom_kernels.dialect``):
    (kv head, query tile) group's counter; the group's last active partition merges the group's
    rows as 2. does (same order, same operations: the same bits) from L2 and sets the counter back
    to zero. One launch and one graph node fewer per layer.
+4. ``g4_attn_decode_staged`` (CUDA on Hopper, with ``counters`` and ``staged``; family
+   "attention_staged", opt-in): 3. with each tile's K and V rows brought into shared memory by two
+   bulk copies that thread 0 issues before the query rows load; the same arithmetic in the same
+   order (the same bits). Faster per call in isolation, not inside the decode step (session 26).
 
 Shape stability: the grid has P partitions fixed by the capacity S (so one compiled decode step
 serves every token); the valid length ``n_slots`` is an input array, and each partition's slot
