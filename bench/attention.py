@@ -3,11 +3,12 @@
 For each model's sliding layer (a full ring: window + slack slots) and full layer (a cache of N
 valid positions in a capacity rounded up as the decode step does), one run reports per geometry:
 microseconds per call, GB/s of the K and V bytes the call must read, and that rate as a fraction
-of the copy bandwidth measured in the same run; plus mx.fast.scaled_dot_product_attention over the
-valid K/V (what mlx-lm runs); where they apply, the one-launch kernel (g4_attn_decode) and its
-staged form (g4_attn_decode_staged) at each geometry. Times are GPU kernel time per call from a CUPTI trace (torch.profiler;
-bench/gpu_timeline.py): wall-clock time of back-to-back calls is MLX's host cost per op at these
-sizes (~25 us whatever the geometry), so it is printed but not used. Caches rotate over >= 8 sets (>= 512 MiB) so the L2 cannot serve them.
+of the copy bandwidth measured in the same run; where they apply, the one-launch kernel
+(g4_attn_decode) and its staged form (g4_attn_decode_staged) at each geometry; plus
+mx.fast.scaled_dot_product_attention over the valid K/V (what mlx-lm runs). Times are GPU kernel
+time per call from a CUPTI trace (torch.profiler; bench/gpu_timeline.py): wall-clock time of
+back-to-back calls is MLX's host cost per op at these sizes (~25 us whatever the geometry), so it
+is printed but not used. Caches rotate over >= 8 sets (>= 512 MiB) so the L2 cannot serve them.
 
     python bench/attention.py [--models 31B,26B-A4B,12B,E4B] [--contexts 4096,32768] [--quick]
 """

@@ -11,10 +11,10 @@ the dispatch geometry), fma_in_place (the same with the in-place decode), gate_u
 (the fused gate|up stream kernel at M = 1), gate_up_split (the step's dense gate|up since session 8:
 the split-K gate/up kernel at its default geometry), head (Q8_0 tied head), probe
 (bench/kernels.read_probe in its 99.5% order over the gate's bytes), attn_sliding / attn_full
-(decode attention partial + merge at a 4K context), attn_sliding_fused / attn_sliding_staged (the
-sliding layer's one launch, g4_attn_decode, and its staged form); at E4B's short rows (K = 2560, where every
-matvec is slower per byte: bench/NOTES.md session 11): gate_up_split_e4b (20480 x 2560) and
-down_e4b (2560 x 10240, the same kernel family at long rows, for comparison); gate_up_runs /
+(decode attention partial + merge at a 4K context), attn_sliding_fused / attn_sliding_staged
+(the sliding layer's one launch, g4_attn_decode, and its staged form); at E4B's short rows
+(K = 2560, where every matvec is slower per byte: bench/NOTES.md session 11): gate_up_split_e4b
+(20480 x 2560) and down_e4b (2560 x 10240, the same kernel family at long rows, for comparison); gate_up_runs /
 gate_up_runs_e4b: the one-token runs kernel (tensor cores; its default form, the staged 16-row one
 since session 14; GEMMA4_MLX_RUNS_GEOMETRY=stages=0 for runs16, rows=8 for the 8-row form) on the
 same gate|up shapes.
