@@ -42,9 +42,12 @@ GEOMETRIES = {
     "chunk32_t2048": dict(min_chunk=32, target_groups=2048),
     "chunk64_t2048_tile64": dict(min_chunk=64, target_groups=2048, tile=64),
     # query rows split over more threadgroups (each reads its partition's K/V again, mostly from L2):
-    # for full layers with one or two K/V heads (12B: 136 threadgroups at 4K with the default 16 rows)
+    # for full layers with one or two K/V heads (12B: 136 threadgroups at 4K with the default 16 rows;
+    # E4B: 272, its 4 rows per K/V head in one tile)
     "rows8": dict(rows=8),
     "rows4": dict(rows=4),
+    "rows2": dict(rows=2),
+    "rows1": dict(rows=1),
 }
 
 
