@@ -87,41 +87,38 @@ def gpu_time(calls: list) -> dict:
 def time_geometries(c: dict, geometries: dict, quick: bool) -> list[dict]:
     rows = []
     D = c["q"].shape[-1]
+
+    def calls(cfg, **launch):
+        return [lambda k=k, v=v: at.launch_decode_attention(
+            c["q"], k, v, c["positions"], c["q_pos"], c["window"], None if c["window"] else c["valid"], cfg, **launch)
+            for k, v in c["kvs"]]  # fmt: skip
+
+    def timed(impl, name, plan, runs):
+        groups = plan.partial_grid[0] // plan.partial_threadgroup[0] * plan.parts * plan.partial_grid[2]
+        return dict(impl=impl, geometry=name, parts=plan.parts, groups=groups,
+                    wall_us=kernels.time_rotating(runs, quick) * 1e6, **gpu_time(runs))
+
     for name, fields in geometries.items():
         try:
             cfg = None if fields is None else at.AttentionConfig(**{**at.default_config(D).__dict__, **fields})
             plan = at.plan_decode(1, c["q"].shape[1], c["kvs"][0][0].shape[1], 1, c["slots"], D, "bfloat16",
                                   "bfloat16", c["window"], cfg)  # fmt: skip
-            calls = [lambda k=k, v=v, cfg=cfg: at.launch_decode_attention(
-                c["q"], k, v, c["positions"], c["q_pos"], c["window"], None if c["window"] else c["valid"], cfg)
-                for k, v in c["kvs"]]  # fmt: skip
-            sec = kernels.time_rotating(calls, quick)
-            rows.append(dict(impl="g4_attn", geometry=name, parts=plan.parts, groups=plan.partial_grid[0] //
-                             plan.partial_threadgroup[0] * plan.parts * plan.partial_grid[2], wall_us=sec * 1e6,
-                             **gpu_time(calls)))
+            rows.append(timed("g4_attn", name, plan, calls(cfg)))
         except ValueError as exc:
             rows.append(dict(impl="g4_attn", geometry=name, error=str(exc)))
             continue
         # the one launch (family attention_fused) and its staged form (attention_staged), where they apply
         for impl, staged, ok in (("g4_attn_decode", False, at.fused_supported),
                                  ("g4_attn_decode_staged", True, at.staged_supported)):  # fmt: skip
-            if not ok(plan):
-                continue
-            counters = at.new_attention_counters()
-            calls = [lambda k=k, v=v, cfg=cfg, staged=staged: at.launch_decode_attention(
-                c["q"], k, v, c["positions"], c["q_pos"], c["window"], None if c["window"] else c["valid"], cfg,
-                counters=counters, staged=staged) for k, v in c["kvs"]]  # fmt: skip
-            sec = kernels.time_rotating(calls, quick)
-            rows.append(dict(impl=impl, geometry=name, parts=plan.parts, groups=plan.partial_grid[0] //
-                             plan.partial_threadgroup[0] * plan.parts * plan.partial_grid[2], wall_us=sec * 1e6,
-                             **gpu_time(calls)))
+            if ok(plan):
+                rows.append(timed(impl, name, plan, calls(cfg, counters=at.new_attention_counters(), staged=staged)))
     valid = c["valid"]
     slots_k = [(k[:, :, :valid], v[:, :, :valid]) for k, v in c["kvs"]]
     sdpa = mx.fast.scaled_dot_product_attention  # GQA by broadcasting the kv heads
-    calls = [lambda k=k, v=v: sdpa(c["q"], k, v, scale=1.0) for k, v in slots_k]
-    sec = kernels.time_rotating(calls, quick)
+    sdpa_calls = [lambda k=k, v=v: sdpa(c["q"], k, v, scale=1.0) for k, v in slots_k]
+    sec = kernels.time_rotating(sdpa_calls, quick)
     rows.append(dict(impl="mx.fast.scaled_dot_product_attention", geometry="-", wall_us=sec * 1e6,
-                     **gpu_time(calls)))
+                     **gpu_time(sdpa_calls)))
     return rows
 
 

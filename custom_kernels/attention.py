@@ -855,15 +855,19 @@ def _slots_array(n_slots, slots: int) -> mx.array:
     return mx.clip(n_slots.astype(mx.int32).reshape(1), 0, slots)
 
 
+def _fused_shared_bytes(plan: DecodePlan) -> int:
+    """Static shared memory of g4_attn_decode: the partial kernel's, the merge's (m, l) arrays and
+    the last-partition flag."""
+    return plan.shared_bytes + 8 * (FUSED_MERGE_BYTES // 4 // dict(plan.partial_template)["D"]) + 4
+
+
 def fused_supported(plan: DecodePlan) -> bool:
     """True when a call with this plan may take the one-launch kernel g4_attn_decode: a CUDA build,
     a merge of at most FUSED_MERGE_BYTES per group, a counter word for each group, and the partial
     kernel's threadgroup memory plus the merge's within the CUDA limit."""
     groups = plan.partial_grid[0] // plan.partial_threadgroup[0] * plan.partial_grid[2]
-    head_dim = dict(plan.partial_template)["D"]
-    shared = plan.shared_bytes + 8 * (FUSED_MERGE_BYTES // 4 // head_dim) + 4  # the merge's (m, l) arrays, the flag
     return (backend() == "cuda" and plan.merge_bytes <= FUSED_MERGE_BYTES and groups <= ATTENTION_COUNTER_WORDS
-            and shared <= _SHARED_LIMIT["cuda"])  # fmt: skip
+            and _fused_shared_bytes(plan) <= _SHARED_LIMIT["cuda"])  # fmt: skip
 
 
 def staged_shared_bytes(plan: DecodePlan) -> int:
@@ -871,7 +875,7 @@ def staged_shared_bytes(plan: DecodePlan) -> int:
     (2 x TS x D cache elements) and the tile's mbarrier."""
     t = dict(plan.partial_template)
     elem = 4 if t["KT"] == "float32" else 2
-    return plan.shared_bytes + 8 * (FUSED_MERGE_BYTES // 4 // t["D"]) + 4 + 2 * t["TS"] * t["D"] * elem + 8
+    return _fused_shared_bytes(plan) + 2 * t["TS"] * t["D"] * elem + 8
 
 
 def staged_supported(plan: DecodePlan) -> bool:
