@@ -4,13 +4,16 @@ For each model's sliding layer (a full ring: window + slack slots) and full laye
 valid positions in a capacity rounded up as the decode step does), one run reports per geometry:
 microseconds per call, GB/s of the K and V bytes the call must read, and that rate as a fraction
 of the copy bandwidth measured in the same run; where they apply, the one-launch kernel
-(g4_attn_decode) and its staged form (g4_attn_decode_staged) at each geometry; plus
-mx.fast.scaled_dot_product_attention over the valid K/V (what mlx-lm runs). Times are GPU kernel
+(g4_attn_decode) and its staged form (g4_attn_decode_staged) at each geometry; the tensor-core
+partial kernel (g4_attn_decode_mma, then the merge) at each of MMA_GEOMETRIES; plus
+mx.fast.scaled_dot_product_attention over the valid K/V (what mlx-lm runs) and over the whole
+capacity with the mask (what a fixed-shape step could run). Times are GPU kernel
 time per call from a CUPTI trace (torch.profiler; bench/gpu_timeline.py): wall-clock time of
 back-to-back calls is MLX's host cost per op at these sizes (~25 us whatever the geometry), so it
 is printed but not used. Caches rotate over >= 8 sets (>= 512 MiB) so the L2 cannot serve them.
 
-    python bench/attention.py [--models 31B,26B-A4B,12B,E4B] [--contexts 4096,32768] [--quick]
+    python bench/attention.py [--models 31B,26B-A4B,12B,E4B] [--contexts 4096,32768] [--geometries default]
+        [--mma-geometries mma,mma_t528] [--quick]
 """
 
 from __future__ import annotations
@@ -50,6 +53,16 @@ GEOMETRIES = {
     "rows1": dict(rows=1),
 }
 
+# name -> AttentionConfig fields over default_mma_config's, for g4_attn_decode_mma (family attention_mma)
+MMA_GEOMETRIES = {
+    "mma": None,
+    "mma_t132": dict(target_groups=132),
+    "mma_t528": dict(target_groups=528),
+    "mma_t1056": dict(target_groups=1056),
+    "mma_w4": dict(simd_groups=4),  # D = 512: 4 warps of 128 dims (the default is 8 of 64)
+    "mma_c32_t528": dict(min_chunk=32, target_groups=528),
+}
+
 
 def layer_shapes(cfg) -> dict:
     """{'sliding': spec, 'full': spec} of the first layer of each type (a consumer's producer's)."""
@@ -84,7 +97,7 @@ def gpu_time(calls: list) -> dict:
     return gpu_timeline.kernel_time_per_call(calls) if backend() == "cuda" else {}
 
 
-def time_geometries(c: dict, geometries: dict, quick: bool) -> list[dict]:
+def time_geometries(c: dict, geometries: dict, mma_geometries: dict, quick: bool) -> list[dict]:
     rows = []
     D = c["q"].shape[-1]
 
@@ -112,6 +125,15 @@ def time_geometries(c: dict, geometries: dict, quick: bool) -> list[dict]:
                                  ("g4_attn_decode_staged", True, at.staged_supported)):  # fmt: skip
             if ok(plan):
                 rows.append(timed(impl, name, plan, calls(cfg, counters=at.new_attention_counters(), staged=staged)))
+    n_q, n_kv = c["q"].shape[1], c["kvs"][0][0].shape[1]
+    if mma_geometries and at.mma_supported("bfloat16", "bfloat16", n_q, n_kv, 1, D):
+        base = at.default_mma_config(D)
+        for name, fields in mma_geometries.items():
+            cfg = base if fields is None else at.AttentionConfig(**{**base.__dict__, **fields})
+            if fields and cfg == base:
+                continue  # the default itself at this head dim
+            plan = at.plan_decode_mma(1, n_q, n_kv, 1, c["slots"], D, c["window"], cfg)
+            rows.append(timed("g4_attn_decode_mma", name, plan, calls(None, mma=True, mma_config=cfg)))
     valid = c["valid"]
     slots_k = [(k[:, :, :valid], v[:, :, :valid]) for k, v in c["kvs"]]
     sdpa = mx.fast.scaled_dot_product_attention  # GQA by broadcasting the kv heads
@@ -119,6 +141,14 @@ def time_geometries(c: dict, geometries: dict, quick: bool) -> list[dict]:
     sec = kernels.time_rotating(sdpa_calls, quick)
     rows.append(dict(impl="mx.fast.scaled_dot_product_attention", geometry="-", wall_us=sec * 1e6,
                      **gpu_time(sdpa_calls)))
+    # what a fixed-shape step could run instead: the whole capacity, the invalid slots masked out
+    keep = (c["positions"] >= 0) & (c["positions"] <= c["q_pos"][0])
+    if c["window"]:
+        keep = keep & (c["q_pos"][0] - c["positions"] < c["window"])
+    for label, mask in (("bool mask", keep), ("additive mask", mx.where(keep, 0.0, -mx.inf).astype(mx.bfloat16))):
+        masked = [lambda k=k, v=v: sdpa(c["q"], k, v, scale=1.0, mask=mask) for k, v in c["kvs"]]
+        sec = kernels.time_rotating(masked, quick)
+        rows.append(dict(impl="mx.fast.sdpa capacity", geometry=label, wall_us=sec * 1e6, **gpu_time(masked)))
     return rows
 
 
@@ -127,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="31B,26B-A4B,12B,E4B")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--geometries", default=",".join(GEOMETRIES))
+    ap.add_argument("--mma-geometries", default=",".join(MMA_GEOMETRIES), help='"" for none')
     ap.add_argument("--quick", action="store_true", help="tiny models and contexts (runs on CPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -134,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     models = ["tiny-dense"] if quick else args.models.split(",")
     contexts = [100] if quick else [int(x) for x in args.contexts.split(",")]
     geometries = {g: GEOMETRIES[g] for g in args.geometries.split(",")}
+    mma_geometries = {g: MMA_GEOMETRIES[g] for g in args.mma_geometries.split(",") if g}
     if backend() == "cpu" and not quick:
         raise SystemExit("the attention kernels run on Metal/CUDA; use --quick on the CPU (reference path)")
     copy = kernels.copy_bandwidth(quick)
@@ -146,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind, spec in layer_shapes(cfg).items():
             for n in contexts if kind == "full" else contexts[:1]:
                 c = case(spec, n, 2 if quick else None, quick)
-                rows = time_geometries(c, geometries, quick) if backend() != "cpu" else []
+                rows = time_geometries(c, geometries, mma_geometries, quick) if backend() != "cpu" else []
                 for r in rows:
                     r.update(model=m, layer=kind, context=n, n_q=spec.num_heads, n_kv=spec.num_kv_heads,
                              head_dim=spec.head_dim, slots=c["slots"], kv_bytes=c["kv_bytes"])

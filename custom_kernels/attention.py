@@ -105,6 +105,9 @@ __all__ = [
     "staged_supported",
     "staged_shared_bytes",
     "FUSED_MERGE_BYTES",
+    "default_mma_config",
+    "mma_supported",
+    "plan_decode_mma",
 ]
 
 KERNEL_HEAD_DIMS = (128, 256, 512)
@@ -693,6 +696,249 @@ _STAGED = KernelSource("g4_attn_decode_staged", _FUSED.input_names, _FUSED.outpu
 STAGED_ARCH = 90
 """Compute capability the staged kernel needs (bulk copies, mbarrier transaction counts)."""
 
+# Split-GQA decode attention on tensor cores (family "attention_mma", CUDA sm_80+, bf16 q and
+# caches, G * M <= 16 query rows per kv head). bench/attention.py (session 27) had the f32-FMA
+# partial kernel at 4-8% of copy bandwidth on the full layers whose K/V head serves many query
+# rows (12B: 16 rows at D = 512, 53 us at 4K, 233 us at 32K), where MLX's SDPA read the same bytes
+# 3.5-7x faster: with 16 rows x 512 dims per slot the FMA kernel is bound by its arithmetic, not
+# by memory. Here the kv head's query rows are the 16 rows of mma.sync m16n8k16 (rows past G*M
+# are zeros and attend nothing), so the scores and the values are tensor-core products with f32
+# accumulation:
+#  - each of the NW warps owns D / NW head dims (a multiple of 64); a 32-slot tile's scores are
+#    each warp's partial Q K^T over its dims (K rows straight from the cache, 16-byte loads), summed
+#    across the warps through shared memory in warp order (so every warp holds the same scores and
+#    the same softmax state), double-buffered: one barrier per tile;
+#  - the dot products run over a permutation of each 32-dim block (thread t of a quad holds dims
+#    8t..8t+7 of its slot's row, one 16-byte load, and the query fragments use the same order);
+#  - the probabilities (f32, exact online softmax as in the FMA kernel) enter the value mma as
+#    bf16 hi + lo parts (two mmas: p to ~2^-16 relative, not bf16's 2^-8), V as the B operand
+#    built with byte permutes from 16-byte loads of four slots;
+#  - V rows of slots no query row attends are zeros (their contents may be NaN), K rows of
+#    masked slots give scores that are then replaced by -inf.
+# The partition state is the FMA kernel's ([BH, P, QR, 2] and [BH, P, QR, D], f32), merged by
+# g4_attn_decode_merge. Not the FMA kernel's bits (another summation order): within f32 rounding.
+# Template: T, KT (bfloat16), D (256 | 512), G, M, WIN, NW (warps), TS (32), CMIN.
+_MMA_HELPERS = r"""
+// 8 bf16 (16 bytes) from global memory: one vector load when the arrays are 16-byte aligned
+__device__ __forceinline__ uint4 g4_attn_ld16(const __nv_bfloat16* p, bool aligned) {
+  if (aligned) return __ldg(reinterpret_cast<const uint4*>(p));
+  const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+  uint32_t w[4];
+  for (int i = 0; i < 4; ++i) w[i] = (uint32_t)__ldg(h + 2 * i) | ((uint32_t)__ldg(h + 2 * i + 1) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ uint32_t g4_u4(const uint4& u, int i) {
+  return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
+}
+// (x, y) -> bf16x2 hi = rn(x, y) and lo = rn(x - hi, y - hi): hi + lo holds ~16 significant bits
+__device__ __forceinline__ void g4_attn_split(float x, float y, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x - hf.x, y - hf.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+"""
+_MMA_BODY = r"""
+  // gemma4-mlx attn_decode_mma: split-GQA decode attention over one sequence partition, on tensor cores
+  constexpr int QR = G * M;     // query rows of the kv head: mma rows 0..QR-1 (the rest are zeros)
+  constexpr int DW = D / NW;    // head dims of each warp
+  constexpr int KB = DW / 32;   // 32-dim blocks of a warp's scores
+  constexpr int VB = DW / 64;   // 64-dim blocks of a warp's values
+  constexpr int NJ = TS / 8;    // 8-slot score tiles of a slot tile
+  static_assert(TS == 32 && QR <= 16 && DW % 64 == 0, "attn_decode_mma: 32-slot tiles, <= 16 rows, 64-dim slices");
+  const float NEG_INF = __int_as_float(0xff800000);
+  __shared__ float4 s_part[2][NW][NJ][32];  // each warp's partial scores in fragment order, two buffers
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int w = tid >> 5;
+  const int g = lane >> 2;  // fragment row (and row + 8), score slot, value dim
+  const int t = lane & 3;
+  const int bh = blockIdx.x;
+  const int part = blockIdx.y;
+  const int nparts = gridDim.y;
+  const int S = k_shape[2];
+  const int nslots = n_slots[0] < 0 ? 0 : (n_slots[0] > S ? S : n_slots[0]);
+  const int chunk = g4_attn_chunk(nslots, nparts, CMIN, TS);
+  const int start = part * chunk;
+  if (start >= nslots) return;  // an idle partition (the whole block): the merge skips it
+  const int end = start + chunk < nslots ? start + chunk : nslots;
+  int qmin = qpos[0];
+  int qmax = qpos[0];
+  for (int m = 1; m < M; ++m) {
+    qmin = qpos[m] < qmin ? qpos[m] : qmin;
+    qmax = qpos[m] > qmax ? qpos[m] : qmax;
+  }
+  int qp[2];  // positions of rows g and g + 8 (-1: a padding row, attends nothing)
+  qp[0] = g < QR ? qpos[g % M] : -1;
+  qp[1] = g + 8 < QR ? qpos[(g + 8) % M] : -1;
+  const int d0 = w * DW;
+  const bool aligned = ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) |
+                         reinterpret_cast<uintptr_t>(v)) & 15u) == 0;
+  const __nv_bfloat16* kbase = k + (size_t)bh * S * D + d0;
+  const __nv_bfloat16* vbase = v + (size_t)bh * S * D + d0;
+  uint4 qf[KB][2];  // rows g, g + 8: dims d0 + 32 kb + 8t .. + 7
+  _Pragma("unroll") for (int kb = 0; kb < KB; ++kb) {
+    _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+      const int r = g + 8 * h;
+      qf[kb][h] = r < QR ? g4_attn_ld16(q + ((size_t)bh * QR + r) * D + d0 + 32 * kb + 8 * t, aligned)
+                         : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  float o[VB][8][4];  // value fragments: n-tile i holds dims d0 + 64 vb + 8 n + i, n = 2t, 2t + 1
+  _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) {
+    _Pragma("unroll") for (int i = 0; i < 8; ++i) { _Pragma("unroll") for (int e = 0; e < 4; ++e) o[vb][i][e] = 0.0f; }
+  }
+  float m_run[2] = {NEG_INF, NEG_INF};
+  float l_run[2] = {0.0f, 0.0f};  // this thread's share of each row's sum (the quad's add up)
+  int buf = 0;
+
+  for (int t0 = start; t0 < end; t0 += TS) {
+    // positions of this thread's score slots t0 + 8j + 2t + e (also the value rows it loads)
+    int kp[NJ][2];
+    _Pragma("unroll") for (int j = 0; j < NJ; ++j) {
+      _Pragma("unroll") for (int e = 0; e < 2; ++e) {
+        const int s = t0 + 8 * j + 2 * t + e;
+        kp[j][e] = s < end ? kpos[s] : -1;
+      }
+    }
+    // (a) partial scores over this warp's dims: Q rows x the slots t0 + 8j + g
+    float sc[NJ][4];
+    _Pragma("unroll") for (int j = 0; j < NJ; ++j) {
+      _Pragma("unroll") for (int e = 0; e < 4; ++e) sc[j][e] = 0.0f;
+      const int s = t0 + 8 * j + g;
+      _Pragma("unroll") for (int kb = 0; kb < KB; ++kb) {
+        const uint4 kr = s < end ? g4_attn_ld16(kbase + (size_t)s * D + 32 * kb + 8 * t, aligned)
+                                 : make_uint4(0u, 0u, 0u, 0u);
+        g4_mma_bf16(sc[j], qf[kb][0].x, qf[kb][1].x, qf[kb][0].y, qf[kb][1].y, kr.x, kr.y);
+        g4_mma_bf16(sc[j], qf[kb][0].z, qf[kb][1].z, qf[kb][0].w, qf[kb][1].w, kr.z, kr.w);
+      }
+      s_part[buf][w][j][lane] = make_float4(sc[j][0], sc[j][1], sc[j][2], sc[j][3]);
+    }
+    // the value rows of this thread's slots 16ks + 2t + {0, 1, 8, 9}, zeros where no row attends
+    uint4 vr[2][VB][4];
+    _Pragma("unroll") for (int ks = 0; ks < 2; ++ks) {
+      _Pragma("unroll") for (int u = 0; u < 4; ++u) {
+        const int j = 2 * ks + (u >> 1);
+        const int p = kp[j][u & 1];
+        const bool used = p >= 0 && p <= qmax && (WIN == 0 || qmin - p < WIN);
+        const int s = t0 + 8 * j + 2 * t + (u & 1);
+        _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) {
+          vr[ks][vb][u] = used ? g4_attn_ld16(vbase + (size_t)s * D + 64 * vb + 8 * g, aligned)
+                               : make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    }
+    __syncthreads();
+    // (b) the tile's scores (warps summed in order), masked; online softmax of rows g and g + 8
+    float sv[NJ][4];
+    _Pragma("unroll") for (int j = 0; j < NJ; ++j) {
+      float4 a = s_part[buf][0][j][lane];
+      _Pragma("unroll") for (int ww = 1; ww < NW; ++ww) {
+        const float4 b = s_part[buf][ww][j][lane];
+        a.x += b.x;
+        a.y += b.y;
+        a.z += b.z;
+        a.w += b.w;
+      }
+      sv[j][0] = a.x;
+      sv[j][1] = a.y;
+      sv[j][2] = a.z;
+      sv[j][3] = a.w;
+    }
+    buf ^= 1;
+    float alpha[2];
+    _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+      float top = NEG_INF;
+      _Pragma("unroll") for (int j = 0; j < NJ; ++j) {
+        _Pragma("unroll") for (int e = 0; e < 2; ++e) {
+          const int p = kp[j][e];
+          const bool ok = p >= 0 && p <= qp[h] && (WIN == 0 || qp[h] - p < WIN);
+          sv[j][2 * h + e] = ok ? sv[j][2 * h + e] : NEG_INF;
+          top = sv[j][2 * h + e] > top ? sv[j][2 * h + e] : top;
+        }
+      }
+      top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+      top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+      const float m_new = m_run[h] > top ? m_run[h] : top;
+      const bool live = m_new > NEG_INF;
+      alpha[h] = live ? g4_attn_exp(m_run[h] - m_new) : 1.0f;
+      float ps = 0.0f;
+      _Pragma("unroll") for (int j = 0; j < NJ; ++j) {
+        _Pragma("unroll") for (int e = 0; e < 2; ++e) {
+          const float p = live ? g4_attn_exp(sv[j][2 * h + e] - m_new) : 0.0f;
+          sv[j][2 * h + e] = p;
+          ps += p;
+        }
+      }
+      l_run[h] = l_run[h] * alpha[h] + ps;
+      m_run[h] = m_new;
+    }
+    // (c) values: o = alpha o + P V, P as bf16 hi + lo
+    _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) {
+      _Pragma("unroll") for (int i = 0; i < 8; ++i) {
+        o[vb][i][0] *= alpha[0];
+        o[vb][i][1] *= alpha[0];
+        o[vb][i][2] *= alpha[1];
+        o[vb][i][3] *= alpha[1];
+      }
+    }
+    _Pragma("unroll") for (int ks = 0; ks < 2; ++ks) {
+      uint32_t ah[4], al[4];  // A fragments: rows g, g + 8 x slots 16ks + 2t + {0, 1} and + {8, 9}
+      g4_attn_split(sv[2 * ks][0], sv[2 * ks][1], ah[0], al[0]);
+      g4_attn_split(sv[2 * ks][2], sv[2 * ks][3], ah[1], al[1]);
+      g4_attn_split(sv[2 * ks + 1][0], sv[2 * ks + 1][1], ah[2], al[2]);
+      g4_attn_split(sv[2 * ks + 1][2], sv[2 * ks + 1][3], ah[3], al[3]);
+      _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) {
+        _Pragma("unroll") for (int i = 0; i < 8; ++i) {
+          const uint32_t sel = (i & 1) ? 0x7632u : 0x5410u;  // element i of two rows -> one bf16x2
+          const uint32_t b0 = __byte_perm(g4_u4(vr[ks][vb][0], i >> 1), g4_u4(vr[ks][vb][1], i >> 1), sel);
+          const uint32_t b1 = __byte_perm(g4_u4(vr[ks][vb][2], i >> 1), g4_u4(vr[ks][vb][3], i >> 1), sel);
+          g4_mma_bf16(o[vb][i], ah[0], ah[1], ah[2], ah[3], b0, b1);
+          g4_mma_bf16(o[vb][i], al[0], al[1], al[2], al[3], b0, b1);
+        }
+      }
+    }
+  }
+
+  _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+  }
+  const size_t base = ((size_t)bh * nparts + part) * QR;
+  _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    if (r < QR) {
+      if (w == 0 && t == 0) {
+        ml[(base + r) * 2] = m_run[h];
+        ml[(base + r) * 2 + 1] = l_run[h];
+      }
+      _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) {
+        _Pragma("unroll") for (int i = 0; i < 8; ++i) {
+          _Pragma("unroll") for (int e = 0; e < 2; ++e) {
+            pacc[(base + r) * D + d0 + 64 * vb + 8 * (2 * t + e) + i] = o[vb][i][2 * h + e];
+          }
+        }
+      }
+    }
+  }
+"""
+
+
+def _mma_text() -> tuple[str, str]:
+    from .quant_matvec import _MMA_HEADER_CUDA  # g4_mma_bf16
+
+    return _text("")["cuda"][0] + _MMA_HEADER_CUDA + _MMA_HELPERS, _local(_MMA_BODY, "cuda")
+
+
+_MMA = KernelSource("g4_attn_decode_mma", _PARTIAL.input_names, _PARTIAL.output_names,
+                    {"metal": ("", ""), "cuda": _mma_text()})  # fmt: skip
+MMA_ARCH = 80
+"""Compute capability the tensor-core kernel needs (bf16 mma.sync)."""
+MMA_MAX_ROWS = 16
+"""Query rows per kv head (G x M) the tensor-core kernel takes: the mma's 16 rows."""
+
 ATTENTION_COUNTER_WORDS = 256
 """uint32 words of an attention layer's counters: one per (batch x kv head, query tile) group."""
 
@@ -886,17 +1132,71 @@ def staged_supported(plan: DecodePlan) -> bool:
             and staged_shared_bytes(plan) <= _SHARED_LIMIT["cuda"])  # fmt: skip
 
 
+MMA_GEOMETRY_ENV = "GEMMA4_MLX_ATTENTION_MMA_GEOMETRY"
+"""AttentionConfig fields over default_mma_config's (simd_groups = warps, min_chunk, target_groups,
+max_parts; rows and min_groups unused), e.g. "target_groups=528" (tuning)."""
+
+
+def default_mma_config(head_dim: int) -> AttentionConfig:
+    """Geometry of g4_attn_decode_mma: a warp per 64 head dims (8 at D = 512, 4 at D = 256), 32-slot
+    tiles, partitions of at least 64 slots, about 264 thread blocks (two per H200 SM);
+    GEMMA4_MLX_ATTENTION_MMA_GEOMETRY overrides fields."""
+    cfg = AttentionConfig(rows=MMA_MAX_ROWS, simd_groups=max(1, min(8, head_dim // 64)), tile=32, min_chunk=64,
+                          target_groups=264, max_parts=512)  # fmt: skip
+    return geometry_override(cfg, MMA_GEOMETRY_ENV)
+
+
+def mma_supported(q_dtype: str, kv_dtype: str, n_q: int, n_kv: int, m: int, head_dim: int) -> bool:
+    """True when g4_attn_decode_mma takes the call: a CUDA build on sm_80 or later, bf16 queries and
+    caches, head dim 256 or 512, at most MMA_MAX_ROWS query rows per kv head (G x M)."""
+    return (backend() == "cuda" and cuda_arch() >= MMA_ARCH and q_dtype == kv_dtype == "bfloat16"
+            and head_dim in (256, 512) and (n_q // n_kv) * m <= MMA_MAX_ROWS)  # fmt: skip
+
+
+def plan_decode_mma(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: int, window: int | None,
+                    config: AttentionConfig | None = None) -> DecodePlan:  # fmt: skip
+    """Launch plan of g4_attn_decode_mma (then g4_attn_decode_merge) for q [batch, n_q, m, head_dim]
+    (bf16) over caches [batch, n_kv, slots, head_dim] (bf16)."""
+    cfg = config or default_mma_config(head_dim)
+    nw, g = cfg.simd_groups, n_q // n_kv
+    qr, bh, dv = g * m, batch * n_kv, head_dim // 4
+    if cfg.tile != 32:
+        raise ValueError("g4_attn_decode_mma takes 32-slot tiles")
+    if head_dim % (64 * nw):
+        raise ValueError(f"{nw} warps cannot split head dim {head_dim} in 64-dim slices")
+    if qr > MMA_MAX_ROWS:
+        raise ValueError(f"{qr} query rows per kv head exceed the mma's {MMA_MAX_ROWS}")
+    parts = max(1, min(-(-slots // cfg.min_chunk), -(-cfg.target_groups // bh), cfg.max_parts))
+    template = [("T", "bfloat16"), ("KT", "bfloat16"), ("D", head_dim), ("G", g), ("M", m), ("WIN", int(window or 0)),
+                ("NW", nw), ("TS", cfg.tile), ("CMIN", cfg.min_chunk)]  # fmt: skip
+    return DecodePlan(
+        partial_template=template,
+        partial_grid=(32 * nw * bh, parts, 1),
+        partial_threadgroup=(32 * nw, 1, 1),
+        partial_shapes=[(bh, parts, qr, 2), (bh, parts, qr, head_dim)],
+        merge_template=[("T", "bfloat16"), ("D", head_dim), ("QR", qr), ("TS", cfg.tile), ("CMIN", cfg.min_chunk)],
+        merge_grid=(dv * bh * qr, 1, 1),
+        merge_threadgroup=(dv, 1, 1),
+        out_shape=(batch, n_q, m, head_dim),
+        parts=parts,
+        shared_bytes=2 * nw * (cfg.tile // 8) * 32 * 16,
+        merge_bytes=4 * parts * qr * head_dim,
+    )
+
+
 def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
                             q_positions: mx.array, window: int | None = None, n_slots=None,
                             config: AttentionConfig | None = None, init_value: float | None = None,
                             out_shape: tuple[int, ...] | None = None,
-                            counters: mx.array | None = None, staged: bool = False) -> mx.array:  # fmt: skip
+                            counters: mx.array | None = None, staged: bool = False, mma: bool = False,
+                            mma_config: AttentionConfig | None = None) -> mx.array:  # fmt: skip
     """Run the two kernels (GPU builds only, no fallback) -> [B, n_q, M, D] in q.dtype, or the same
     elements in ``out_shape`` (the merge kernel writes its rows flat: no reshape node). With
     ``counters`` (``new_attention_counters()``, one per sequence of calls that run one after
     another: a layer's) the one launch of g4_attn_decode where ``fused_supported``; with ``staged``
     too, g4_attn_decode_staged where ``staged_supported`` (the same bits, K and V through shared
-    memory).
+    memory). Otherwise, with ``mma``, the tensor-core partial kernel g4_attn_decode_mma (geometry
+    ``mma_config``) where ``mma_supported``, then the merge.
 
     ``init_value`` fills every output (partials included) before the kernels run (tests poison
     them with NaN)."""
@@ -920,6 +1220,9 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
         )
         return out
     partial, merge = _PARTIAL.kernel(), _MERGE.kernel()
+    if mma and dtype_name(v_cache.dtype) == dtype_name(k_cache.dtype) and mma_supported(
+            dtype_name(q.dtype), dtype_name(k_cache.dtype), n_q, n_kv, M, D):  # fmt: skip
+        plan, partial = plan_decode_mma(B, n_q, n_kv, M, S, D, window, mma_config), _MMA.kernel()
     ml, pacc = partial(
         inputs=inputs,
         template=template_args(plan.partial_template),
@@ -944,7 +1247,7 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
 def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
                      q_positions: mx.array, window: int | None = None, *, n_slots=None,
                      merged: bool = False, counters: mx.array | None = None,
-                     staged: bool = False) -> mx.array:  # fmt: skip
+                     staged: bool = False, mma: bool = False) -> mx.array:  # fmt: skip
     """Attention of q [B, n_q, M, D] over whole cache buffers [B, n_kv, S, D] -> [B, n_q, M, D], or
     with ``merged`` [B, M, n_q * D] (each row's heads side by side, what the output projection
     reads; at M = 1 the kernel writes that shape directly, without a reshape node).
@@ -955,14 +1258,16 @@ def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, position
     default all S. Custom kernels on Metal/CUDA for head dim 128/256/512 and M <= 8, else
     ``decode_attention_reference``; with ``counters`` (``new_attention_counters()``, the layer's)
     one launch where ``fused_supported``, and with ``staged`` its form that stages K and V in shared
-    memory where ``staged_supported``. Pass the cache buffers themselves: a non-contiguous
+    memory where ``staged_supported``; elsewhere, with ``mma``, the tensor-core partial kernel where
+    ``mma_supported``. Pass the cache buffers themselves: a non-contiguous
     slice is copied before a kernel reads it."""
     B, n_q, M, D, _, _ = _check(q, k_cache, v_cache, positions, q_positions, window)
     args = (q, k_cache, v_cache, positions, q_positions, window)
     kernels = not use_reference() and D in KERNEL_HEAD_DIMS and 1 <= M <= MAX_QUERY_ROWS
     if kernels and merged and M == 1:  # [B, n_q, 1, D] and [B, 1, n_q * D] are the same flat rows
-        return launch_decode_attention(*args, n_slots, out_shape=(B, 1, n_q * D), counters=counters, staged=staged)
-    out = (launch_decode_attention(*args, n_slots, counters=counters, staged=staged) if kernels
+        return launch_decode_attention(*args, n_slots, out_shape=(B, 1, n_q * D), counters=counters, staged=staged,
+                                       mma=mma)  # fmt: skip
+    out = (launch_decode_attention(*args, n_slots, counters=counters, staged=staged, mma=mma) if kernels
            else decode_attention_reference(*args))  # fmt: skip
     return out.transpose(0, 2, 1, 3).reshape(B, M, n_q * D) if merged else out
 
@@ -1262,14 +1567,60 @@ def _staged_cases(rng: np.random.Generator):
     ]  # fmt: skip
 
 
+def _mma_case(rng, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, cfg):
+    """A case of g4_attn_decode_mma: bf16 q and caches, its partition states out."""
+    from .registry import KernelCase
+
+    pr = _problem(rng, "bfloat16", "bfloat16", B, n_q, n_kv, M, D, positions, q_positions, window, n_slots)
+    S = len(positions)
+    plan = plan_decode_mma(B, n_q, n_kv, M, S, D, window, cfg)
+    ml, acc = partials_f64(pr.q64, pr.k64, pr.v64, pr.positions, pr.q_positions, window, n_slots, plan.parts,
+                           cfg.min_chunk, cfg.tile)  # fmt: skip
+    inputs = {"q": pr.q, "k": pr.k, "v": pr.v, "kpos": pr.positions, "qpos": pr.q_positions,
+              "n_slots": np.array([n_slots], np.int32)}  # fmt: skip
+    return KernelCase(
+        inputs=inputs, template=plan.partial_template, grid=plan.partial_grid, threadgroup=plan.partial_threadgroup,
+        output_shapes=list(plan.partial_shapes), output_dtypes=["float32", "float32"], expected=[ml, acc],
+        rtol=1e-4, atol=1e-5, input_dtypes=pr.in_dtypes,  # p enters the value mma as bf16 hi + lo (~2^-16)
+        label=f"mma B={B} n_q={n_q} n_kv={n_kv} M={M} D={D} S={S} W={window} n_slots={n_slots} P={plan.parts} "
+              f"warps={cfg.simd_groups} cmin={cfg.min_chunk}",
+    )  # fmt: skip
+
+
+def _mma_cases(rng: np.random.Generator):
+    """g4_attn_decode_mma at the shapes it serves (D = 512 with 16 and 8 rows per kv head, D = 256) and
+    its edges: a short last tile and an idle partition, M = 2 and 4 (causal inside the tile), a ring
+    with a window and empty slots, two sequences, positions past the query, no valid slot."""
+    c = AttentionConfig
+    full = np.where(np.arange(200) < 150, np.arange(200), -1).astype(np.int32)
+    return [
+        # 12B full layer (G = 16): partitions of 64 + 64 + 22 slots, capacity past n_slots
+        _mma_case(rng, 1, 16, 1, 1, 512, full, [149], None, 150,
+                  c(rows=16, simd_groups=8, tile=32, min_chunk=64, target_groups=3)),
+        # G = 8, M = 2 (16 rows), 4 warps of 128 dims, 4 partitions of 32 (the last idle)
+        _mma_case(rng, 1, 8, 1, 2, 512, np.arange(100), [98, 99], None, 99,
+                  c(rows=16, simd_groups=4, tile=32, min_chunk=32, target_groups=4)),
+        # sliding ring (G = 2, D = 256) with a window and empty slots, one tile per partition
+        _mma_case(rng, 1, 4, 2, 1, 256, _ring(96, 100, 195, empty=(5, 40)), [195], 64, 96,
+                  c(rows=16, simd_groups=4, tile=32, min_chunk=32, target_groups=6)),
+        # two sequences, G = 4, M = 4 (16 rows), 2 warps of 128 dims, a slot past the queries
+        _mma_case(rng, 2, 8, 2, 4, 256, _ring(70, 0, 60, future=(65,)), [57, 58, 59, 60], None, 70,
+                  c(rows=16, simd_groups=2, tile=32, min_chunk=64, target_groups=4)),
+        # no valid slot: every partition idle, nothing written (the merge writes the zeros)
+        _mma_case(rng, 1, 8, 1, 1, 256, np.arange(64), [0], None, 0,
+                  c(rows=16, simd_groups=4, tile=32, min_chunk=32, target_groups=2)),
+    ]  # fmt: skip
+
+
 def kernel_specs():
     """KernelSpec of the decode-attention kernels, with small emulator cases (odd tails included);
-    g4_attn_decode and g4_attn_decode_staged are CUDA only (an empty Metal text)."""
+    g4_attn_decode, g4_attn_decode_staged and g4_attn_decode_mma are CUDA only (an empty Metal
+    text)."""
     from .registry import KernelSpec
 
     specs = []
     for kdef, cases in ((_PARTIAL, _partial_cases), (_MERGE, _merge_cases), (_FUSED, _fused_cases),
-                        (_STAGED, _staged_cases)):
+                        (_STAGED, _staged_cases), (_MMA, _mma_cases)):
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
         specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs, cases))
     return specs

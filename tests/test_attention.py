@@ -467,3 +467,50 @@ def test_counters_reach_the_reference_on_cpu():
     out = at.decode_attention(*args, window, counters=counters)
     assert mx.array_equal(out, at.decode_attention_reference(*args, window)).item()
     assert counters.shape == (256,) and counters.dtype == mx.uint32 and not np.array(counters).any()
+
+
+def test_mma_plan_and_support(monkeypatch):
+    """The tensor-core kernel (family "attention_mma") takes bf16 q and caches at D 256 / 512 with at
+    most 16 query rows per kv head, on CUDA sm_80+ only; its plan: a warp per 64 head dims, 32-slot
+    tiles, about target_groups blocks, the merge's template agreeing on TS and CMIN; bad geometries
+    are errors."""
+    monkeypatch.setattr(at, "backend", lambda: "cuda")
+    monkeypatch.setattr(at, "cuda_arch", lambda: 90)
+    assert at.mma_supported("bfloat16", "bfloat16", 16, 1, 1, 512)  # 12B full
+    assert at.mma_supported("bfloat16", "bfloat16", 32, 4, 2, 512)  # 31B full, M = 2
+    assert not at.mma_supported("bfloat16", "bfloat16", 32, 4, 3, 512)  # 24 rows
+    assert not at.mma_supported("float32", "bfloat16", 16, 1, 1, 512)
+    assert not at.mma_supported("bfloat16", "float16", 16, 1, 1, 512)
+    assert not at.mma_supported("bfloat16", "bfloat16", 8, 2, 1, 128)
+    monkeypatch.setattr(at, "cuda_arch", lambda: 75)
+    assert not at.mma_supported("bfloat16", "bfloat16", 16, 1, 1, 512)
+    monkeypatch.setattr(at, "backend", lambda: "metal")
+    assert not at.mma_supported("bfloat16", "bfloat16", 16, 1, 1, 512)
+
+    p = at.plan_decode_mma(1, 32, 4, 1, 32768, 512, None)  # 31B full at 32K
+    t = dict(p.partial_template)
+    assert (t["NW"], t["TS"], t["CMIN"], t["G"], t["M"], t["WIN"]) == (8, 32, 64, 8, 1, 0)
+    assert p.partial_threadgroup == (256, 1, 1) and p.partial_grid == (256 * 4, 66, 1) and p.parts == 66
+    assert dict(p.merge_template)["TS"] == 32 and dict(p.merge_template)["CMIN"] == 64
+    assert p.partial_shapes == [(4, 66, 8, 2), (4, 66, 8, 512)] and p.shared_bytes == 32768
+    assert at.plan_decode_mma(1, 16, 1, 1, 128, 512, None).parts == 2  # short caches: >= 64 slots a partition
+    assert dict(at.plan_decode_mma(1, 8, 2, 1, 1056, 256, 1024).partial_template)["NW"] == 4
+    with pytest.raises(ValueError, match="32-slot tiles"):
+        at.plan_decode_mma(1, 16, 1, 1, 128, 512, None, at.AttentionConfig(tile=64, min_chunk=64))
+    with pytest.raises(ValueError, match="64-dim slices"):
+        at.plan_decode_mma(1, 16, 1, 1, 128, 256, None, at.AttentionConfig(simd_groups=8, tile=32, min_chunk=32))
+    with pytest.raises(ValueError, match="exceed"):
+        at.plan_decode_mma(1, 32, 1, 1, 128, 256, None)
+    monkeypatch.setenv(at.MMA_GEOMETRY_ENV, "target_groups=528")
+    assert at.plan_decode_mma(1, 32, 4, 1, 32768, 512, None).parts == 132
+
+
+def test_mma_kernel_text():
+    """g4_attn_decode_mma is CUDA only, registered with cases, and its text has the pieces the
+    design rests on: tensor-core products, the warps' scores summed through shared memory behind
+    one barrier a tile, p split into bf16 hi + lo."""
+    spec = {s.name: s for s in all_kernel_specs()}["g4_attn_decode_mma"]
+    assert not spec.metal_source and spec.output_names == ("ml", "pacc")
+    assert len(spec.cases(np.random.default_rng(0))) == 5
+    assert spec.cuda_source.count("__syncthreads()") == 1 and spec.cuda_source.count("g4_attn_split(") == 4
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in spec.cuda_header

@@ -285,3 +285,56 @@ def test_staged_kernel_equals_the_one_launch(name, n_q, n_kv, window, dtype):
         off = run((q, _offset_view(k, 8), _offset_view(v, 8), pos, qpos), True)
         assert mx.array_equal(off, one).item(), f"{what}: caches off alignment not the one launch's bits"
         assert not np.array(counters).any(), f"{what}: counters not reset"
+
+
+MMA_SHAPES = [s for s in SHAPES if s[1] // s[2] <= at.MMA_MAX_ROWS]
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cuda" or custom_kernels.cuda_arch() < at.MMA_ARCH,
+                    reason="g4_attn_decode_mma needs CUDA sm_80+")  # fmt: skip
+@pytest.mark.parametrize("name, n_q, n_kv, D, layout", MMA_SHAPES, ids=[s[0] for s in MMA_SHAPES])
+def test_mma_kernel_matches_oracle(name, n_q, n_kv, D, layout):
+    """g4_attn_decode_mma (family "attention_mma") at the real layer shapes, bf16: every M up to 16
+    query rows per kv head, the default geometry and one with other warps and uneven partitions,
+    poisoned outputs and NaN in every slot no query may attend; within the oracle's bound; a second
+    launch bit-identical; inputs 8 bytes off 16-byte alignment (the 2-byte loads) the same bits."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + 27)
+    G = n_q // n_kv
+    other = at.AttentionConfig(rows=16, simd_groups=max(1, D // 128), tile=32, min_chunk=32, target_groups=37)
+    for M in [m for m in (1, 2, 4, 8) if G * m <= at.MMA_MAX_ROWS]:
+        pos, qpos, window, n_slots = _layout(name, layout, M)
+        args, want, bound = _problem(rng, 1, n_q, n_kv, M, D, pos, qpos, window, mx.bfloat16, n_slots)
+        assert at.mma_supported("bfloat16", "bfloat16", n_q, n_kv, M, D)
+        for config in (None, other):
+            run = lambda a: at.launch_decode_attention(*a, window, n_slots=n_slots, init_value=NAN, mma=True,  # noqa: E731
+                                                       mma_config=config)  # fmt: skip
+            out = run(args)
+            what = f"{name} M={M} {config or 'default'}"
+            assert out.shape == (1, n_q, M, D) and out.dtype == mx.bfloat16
+            _check(out, want, bound, mx.bfloat16, what)
+            assert mx.array_equal(run(args), out).item(), f"{what}: not deterministic"
+            q, k, v, p, qp = args
+            off = run((_offset_view(q, 8), _offset_view(k, 8), _offset_view(v, 8), p, qp))
+            assert mx.array_equal(off, out).item(), f"{what}: misaligned inputs not the same bits"
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cuda" or custom_kernels.cuda_arch() < at.MMA_ARCH,
+                    reason="g4_attn_decode_mma needs CUDA sm_80+")  # fmt: skip
+def test_mma_kernel_long_context_and_empty():
+    """12B's full-layer shape in a 32768-slot capacity: valid lengths from a part of one tile to all
+    slots (the default geometry's partitions, active ones changing with n_slots as in decode); and a
+    cache with no valid slot gives zeros (rows without keys)."""
+    rng = np.random.default_rng(28)
+    S, D = 32768, 512
+    pos_full = np.arange(S, dtype=np.int32)
+    (q, k, v, _, _), _, _ = _problem(rng, 1, 16, 1, 1, D, pos_full, [S - 1], None, mx.bfloat16)
+    q64, k64, v64 = (np.array(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
+    for length in (17, 3001, 30000, S):
+        pos = np.where(pos_full < length, pos_full, -1).astype(np.int32)
+        want, bound = at.attention_f64(q64, k64, v64, pos, np.array([length - 1]), None)
+        out = at.launch_decode_attention(q, k, v, mx.array(pos), mx.array([length - 1], dtype=mx.int32), None,
+                                         n_slots=length, init_value=NAN, mma=True)  # fmt: skip
+        _check(out, want, bound, mx.bfloat16, f"length {length}")
+    empty = at.launch_decode_attention(q, k, v, mx.array(np.full(S, -1, np.int32)), mx.array([5], dtype=mx.int32),
+                                       None, n_slots=0, init_value=NAN, mma=True)  # fmt: skip
+    assert not np.array(empty.astype(mx.float32)).any(), "no valid slot: zeros expected"
