@@ -189,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{m:8s} {kind:7s} n={n:6d} {r['impl'][:24]:24s} {r['geometry']:22s} "
                               f"GPU {r.get('gpu_us', float('nan')):7.1f} us ({r.get('launches', 0):.0f} launches, "
                               f"wall {r['wall_us']:6.1f}) {r['GBps']:6.0f} GB/s {100 * r['copy_frac']:5.1f}%"
-                              + (f"  parts {r['parts']} groups {r['groups']}" if "parts" in r else ""), flush=True)
+                              + (f"  parts {r['parts']} groups {r['groups']}" if "parts" in r else "")
+                              + "".join(f"  {k.removeprefix('g4_attn_decode_')} {v:.1f}"
+                                        for k, v in r.get("by_kernel", {}).items() if k.startswith("g4_")),
+                              flush=True)  # fmt: skip
                     else:
                         print(f"{m:8s} {kind:7s} n={n:6d} {r['geometry']}: {r['error']}", flush=True)
                 doc["results"].extend(rows)

@@ -152,7 +152,8 @@ def short_name(name: str) -> str:
 
 def kernel_time_per_call(calls: list, reps: int = 4) -> dict:
     """GPU time per call of zero-argument callables (each launching one op's kernels), from a CUPTI
-    trace: the sum of kernel durations / calls, and launches per call. Each call is evaluated on
+    trace: the sum of kernel durations / calls, launches per call, and the time per call of each
+    kernel (by short name). Each call is evaluated on
     its own: independent ops evaluated together become parallel branches of one CUDA graph, and
     overlapping kernels stretch each other's durations (and flatter a wall-clock rate), whereas a
     decode step runs its kernels one after another. MLX's host cost per op cannot hide in it."""
@@ -172,7 +173,12 @@ def kernel_time_per_call(calls: list, reps: int = 4) -> dict:
         prof.export_chrome_trace(path)
         with open(path) as fh:
             kernels = kernels_of_trace(json.load(fh))
-    return dict(gpu_us=sum(d for *_, d in kernels) / n, launches=len(kernels) / n)
+    by_kernel: dict[str, float] = {}
+    for name, _, d in kernels:
+        key = short_name(name).split("<")[0]
+        key = re.sub(r"^(g4_[a-z0-9_]+?)_(bfloat16|float|half|u?int|[0-9]).*", r"\1", key)
+        by_kernel[key] = by_kernel.get(key, 0.0) + d / n
+    return dict(gpu_us=sum(d for *_, d in kernels) / n, launches=len(kernels) / n, by_kernel=by_kernel)
 
 
 def profile_steps(step, first, steps: int, trace_path: str) -> dict:

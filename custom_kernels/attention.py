@@ -803,6 +803,19 @@ _MMA_BODY = r"""
         kp[j][e] = s < end ? kpos[s] : -1;
       }
     }
+    // the value rows of this thread's slots 16ks + 2t + {0, 1, 8, 9} (the slots of its scores), loaded
+    // with the keys so the tile waits for memory once; zeros where no row attends (after the loads:
+    // such rows may hold anything, NaN included)
+    uint4 vr[2][VB][4];
+    _Pragma("unroll") for (int ks = 0; ks < 2; ++ks) {
+      _Pragma("unroll") for (int u = 0; u < 4; ++u) {
+        const int s = t0 + 16 * ks + 8 * (u >> 1) + 2 * t + (u & 1);
+        _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) {
+          vr[ks][vb][u] = s < end ? g4_attn_ld16(vbase + (size_t)s * D + 64 * vb + 8 * g, aligned)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    }
     // (a) partial scores over this warp's dims: Q rows x the slots t0 + 8j + g
     float sc[NJ][4];
     _Pragma("unroll") for (int j = 0; j < NJ; ++j) {
@@ -816,17 +829,11 @@ _MMA_BODY = r"""
       }
       s_part[buf][w][j][lane] = make_float4(sc[j][0], sc[j][1], sc[j][2], sc[j][3]);
     }
-    // the value rows of this thread's slots 16ks + 2t + {0, 1, 8, 9}, zeros where no row attends
-    uint4 vr[2][VB][4];
     _Pragma("unroll") for (int ks = 0; ks < 2; ++ks) {
       _Pragma("unroll") for (int u = 0; u < 4; ++u) {
-        const int j = 2 * ks + (u >> 1);
-        const int p = kp[j][u & 1];
-        const bool used = p >= 0 && p <= qmax && (WIN == 0 || qmin - p < WIN);
-        const int s = t0 + 8 * j + 2 * t + (u & 1);
-        _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) {
-          vr[ks][vb][u] = used ? g4_attn_ld16(vbase + (size_t)s * D + 64 * vb + 8 * g, aligned)
-                               : make_uint4(0u, 0u, 0u, 0u);
+        const int p = kp[2 * ks + (u >> 1)][u & 1];
+        if (!(p >= 0 && p <= qmax && (WIN == 0 || qmin - p < WIN))) {
+          _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) vr[ks][vb][u] = make_uint4(0u, 0u, 0u, 0u);
         }
       }
     }
@@ -834,6 +841,7 @@ _MMA_BODY = r"""
     // (b) the tile's scores (warps summed in order), masked; online softmax of rows g and g + 8
     float sv[NJ][4];
     _Pragma("unroll") for (int j = 0; j < NJ; ++j) {
+      asm volatile("" ::: "memory");  // one score tile at a time: NW loads live, not NJ x NW
       float4 a = s_part[buf][0][j][lane];
       _Pragma("unroll") for (int ww = 1; ww < NW; ++ww) {
         const float4 b = s_part[buf][ww][j][lane];
@@ -924,6 +932,92 @@ _MMA_BODY = r"""
     }
   }
 """
+
+# The merge of the tensor-core kernel's partitions (CUDA only): g4_attn_decode_merge gives each
+# output row one thread block whose threads walk every partition, 8 loads at a time, so a full
+# layer with one or two kv heads (12B: 16 rows, 264 partitions) is a long chain of L2 round trips
+# in 16-32 thread blocks. Here a block takes 128 dims of a row and its 8 warps split the
+# partitions (warp w: w, w + 8, ...; 8 in flight per warp), then warp 0 adds the warps' sums in
+# warp order (deterministic) and normalizes. Template: T (output), D, QR, TS, CMIN (the partial
+# kernel's); grid x = 256 threads x rows x D / 128.
+_MERGE_WIDE_BODY = r"""
+  // gemma4-mlx attn_decode_merge_wide: 8 warps split one row's partitions, then their sums in order
+  constexpr int NWM = 8;        // warps
+  constexpr int LB = 8;         // partitions a warp loads before adding them
+  constexpr int CG = D / 128;   // 128-dim column groups of a row
+  __shared__ float top_s[NWM];
+  __shared__ float4 a_s[NWM][32];
+  __shared__ float tot_s[NWM];
+  const float NEG_INF = __int_as_float(0xff800000);
+  const int row = blockIdx.x / CG;  // (b * n_kv + kv head) * QR + r
+  const int col = (blockIdx.x % CG) * 128 + 4 * (threadIdx.x & 31);
+  const int bh = row / QR;
+  const int r = row % QR;
+  const int lane = threadIdx.x & 31;
+  const int w = threadIdx.x >> 5;
+  const int nparts = ml_shape[1];
+  const int nslots = n_slots[0] < 0 ? 0 : n_slots[0];
+  const int chunk = g4_attn_chunk(nslots, nparts, CMIN, TS);
+  int nactive = (nslots + chunk - 1) / chunk;
+  nactive = nactive < nparts ? nactive : nparts;
+  const size_t base = (size_t)bh * nparts * QR + r;  // partition p: base + p * QR
+  float top = NEG_INF;
+  for (int p = threadIdx.x; p < nactive; p += 32 * NWM) top = fmaxf(top, ml[(base + (size_t)p * QR) * 2]);
+  _Pragma("unroll") for (int o = 16; o >= 1; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+  if (lane == 0) top_s[w] = top;
+  __syncthreads();
+  top = top_s[0];
+  _Pragma("unroll") for (int i = 1; i < NWM; ++i) top = fmaxf(top, top_s[i]);
+  float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float total = 0.0f;
+  for (int p0 = w; p0 < nactive; p0 += NWM * LB) {
+    float4 x[LB];
+    float mp[LB];
+    float lp[LB];
+    _Pragma("unroll") for (int u = 0; u < LB; ++u) {
+      const int p = p0 + NWM * u;
+      mp[u] = NEG_INF;
+      if (p < nactive) {
+        const size_t i = base + (size_t)p * QR;
+        mp[u] = ml[i * 2];
+        lp[u] = ml[i * 2 + 1];
+        x[u] = *reinterpret_cast<const float4*>(pacc + i * D + col);
+      }
+    }
+    _Pragma("unroll") for (int u = 0; u < LB; ++u) {
+      if (mp[u] > NEG_INF) {  // idle rows (no key in the partition) weigh 0
+        const float wt = g4_attn_exp(mp[u] - top);
+        total += wt * lp[u];
+        a[0] += wt * x[u].x;
+        a[1] += wt * x[u].y;
+        a[2] += wt * x[u].z;
+        a[3] += wt * x[u].w;
+      }
+    }
+  }
+  a_s[w][lane] = make_float4(a[0], a[1], a[2], a[3]);
+  if (lane == 0) tot_s[w] = total;
+  __syncthreads();
+  if (w == 0) {
+    float4 sum = a_s[0][lane];
+    float tsum = tot_s[0];
+    _Pragma("unroll") for (int i = 1; i < NWM; ++i) {
+      const float4 b = a_s[i][lane];
+      sum.x += b.x;
+      sum.y += b.y;
+      sum.z += b.z;
+      sum.w += b.w;
+      tsum += tot_s[i];
+    }
+    T* o = out + (size_t)row * D + col;
+    o[0] = static_cast<T>(tsum > 0.0f ? sum.x / tsum : 0.0f);
+    o[1] = static_cast<T>(tsum > 0.0f ? sum.y / tsum : 0.0f);
+    o[2] = static_cast<T>(tsum > 0.0f ? sum.z / tsum : 0.0f);
+    o[3] = static_cast<T>(tsum > 0.0f ? sum.w / tsum : 0.0f);
+  }
+"""
+_MERGE_WIDE = KernelSource("g4_attn_decode_merge_wide", _MERGE.input_names, _MERGE.output_names,
+                           {"metal": ("", ""), "cuda": (_text("")["cuda"][0], _local(_MERGE_WIDE_BODY, "cuda"))})  # fmt: skip
 
 
 def _mma_text() -> tuple[str, str]:
@@ -1155,11 +1249,11 @@ def mma_supported(q_dtype: str, kv_dtype: str, n_q: int, n_kv: int, m: int, head
 
 def plan_decode_mma(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: int, window: int | None,
                     config: AttentionConfig | None = None) -> DecodePlan:  # fmt: skip
-    """Launch plan of g4_attn_decode_mma (then g4_attn_decode_merge) for q [batch, n_q, m, head_dim]
+    """Launch plan of g4_attn_decode_mma (then g4_attn_decode_merge_wide) for q [batch, n_q, m, head_dim]
     (bf16) over caches [batch, n_kv, slots, head_dim] (bf16)."""
     cfg = config or default_mma_config(head_dim)
     nw, g = cfg.simd_groups, n_q // n_kv
-    qr, bh, dv = g * m, batch * n_kv, head_dim // 4
+    qr, bh = g * m, batch * n_kv
     if cfg.tile != 32:
         raise ValueError("g4_attn_decode_mma takes 32-slot tiles")
     if head_dim % (64 * nw):
@@ -1175,8 +1269,8 @@ def plan_decode_mma(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_di
         partial_threadgroup=(32 * nw, 1, 1),
         partial_shapes=[(bh, parts, qr, 2), (bh, parts, qr, head_dim)],
         merge_template=[("T", "bfloat16"), ("D", head_dim), ("QR", qr), ("TS", cfg.tile), ("CMIN", cfg.min_chunk)],
-        merge_grid=(dv * bh * qr, 1, 1),
-        merge_threadgroup=(dv, 1, 1),
+        merge_grid=(256 * bh * qr * (head_dim // 128), 1, 1),  # g4_attn_decode_merge_wide
+        merge_threadgroup=(256, 1, 1),
         out_shape=(batch, n_q, m, head_dim),
         parts=parts,
         shared_bytes=2 * nw * (cfg.tile // 8) * 32 * 16,
@@ -1196,7 +1290,7 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
     another: a layer's) the one launch of g4_attn_decode where ``fused_supported``; with ``staged``
     too, g4_attn_decode_staged where ``staged_supported`` (the same bits, K and V through shared
     memory). Otherwise, with ``mma``, the tensor-core partial kernel g4_attn_decode_mma (geometry
-    ``mma_config``) where ``mma_supported``, then the merge.
+    ``mma_config``) where ``mma_supported``, then g4_attn_decode_merge_wide.
 
     ``init_value`` fills every output (partials included) before the kernels run (tests poison
     them with NaN)."""
@@ -1222,7 +1316,8 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
     partial, merge = _PARTIAL.kernel(), _MERGE.kernel()
     if mma and dtype_name(v_cache.dtype) == dtype_name(k_cache.dtype) and mma_supported(
             dtype_name(q.dtype), dtype_name(k_cache.dtype), n_q, n_kv, M, D):  # fmt: skip
-        plan, partial = plan_decode_mma(B, n_q, n_kv, M, S, D, window, mma_config), _MMA.kernel()
+        plan = plan_decode_mma(B, n_q, n_kv, M, S, D, window, mma_config)
+        partial, merge = _MMA.kernel(), _MERGE_WIDE.kernel()
     ml, pacc = partial(
         inputs=inputs,
         template=template_args(plan.partial_template),
@@ -1581,7 +1676,9 @@ def _mma_case(rng, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, 
     return KernelCase(
         inputs=inputs, template=plan.partial_template, grid=plan.partial_grid, threadgroup=plan.partial_threadgroup,
         output_shapes=list(plan.partial_shapes), output_dtypes=["float32", "float32"], expected=[ml, acc],
-        rtol=1e-4, atol=1e-5, input_dtypes=pr.in_dtypes,  # p enters the value mma as bf16 hi + lo (~2^-16)
+        # p enters the value mma as bf16 hi + lo (~2^-16 relative) and the tensor cores add in f32 in
+        # their own order: errors ~1e-5 on sums of up to a hundred p v terms with |v| ~ 1
+        rtol=1e-4, atol=5e-5, input_dtypes=pr.in_dtypes,
         label=f"mma B={B} n_q={n_q} n_kv={n_kv} M={M} D={D} S={S} W={window} n_slots={n_slots} P={plan.parts} "
               f"warps={cfg.simd_groups} cmin={cfg.min_chunk}",
     )  # fmt: skip
@@ -1612,15 +1709,44 @@ def _mma_cases(rng: np.random.Generator):
     ]  # fmt: skip
 
 
+def _merge_wide_cases(rng: np.random.Generator):
+    """g4_attn_decode_merge_wide on the tensor-core kernel's plans: more active partitions than
+    8 warps x 8 loads (a second round), an idle partition, D = 256 and 512, two sequences, a row of
+    a ring whose window holds no slot (zeros), no valid slot at all."""
+    from .registry import KernelCase
+
+    c = AttentionConfig
+    cases = []
+    for B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, cfg in (
+        (1, 16, 1, 1, 512, np.arange(4200), [4129], None, 4130, c(simd_groups=8, tile=32, min_chunk=32, target_groups=140)),
+        (2, 8, 2, 2, 256, np.arange(300), [250, 251], None, 252, c(simd_groups=4, tile=32, min_chunk=64, target_groups=10)),
+        (1, 8, 1, 2, 256, _ring(96, 10, 80), [80, 200], 64, 96, c(simd_groups=4, tile=32, min_chunk=32, target_groups=3)),
+        (1, 8, 1, 1, 512, np.arange(64), [0], None, 0, c(simd_groups=8, tile=32, min_chunk=32, target_groups=2)),
+    ):  # fmt: skip
+        pr = _problem(rng, "float32", "float32", B, n_q, n_kv, M, D, positions, q_positions, window, n_slots)
+        plan = plan_decode_mma(B, n_q, n_kv, M, len(positions), D, window, cfg)
+        ml, acc = partials_f64(pr.q64, pr.k64, pr.v64, pr.positions, pr.q_positions, window, n_slots, plan.parts,
+                               cfg.min_chunk, cfg.tile)  # fmt: skip
+        ml32, acc32 = ml.astype(np.float32), acc.astype(np.float32)  # idle partitions stay NaN: never read
+        expected = merge_f64(ml32.astype(np.float64), acc32.astype(np.float64), n_slots, cfg.min_chunk, cfg.tile)
+        cases.append(KernelCase(
+            inputs={"ml": ml32, "pacc": acc32, "n_slots": np.array([n_slots], np.int32)},
+            template=plan.merge_template, grid=plan.merge_grid, threadgroup=plan.merge_threadgroup,
+            output_shapes=[plan.out_shape], output_dtypes=["bfloat16"], expected=[expected.reshape(plan.out_shape)],
+            rtol=2**-8, atol=1e-6, label=f"wide QR={n_q // n_kv * M} D={D} P={plan.parts} n_slots={n_slots}",
+        ))  # fmt: skip
+    return cases
+
+
 def kernel_specs():
     """KernelSpec of the decode-attention kernels, with small emulator cases (odd tails included);
-    g4_attn_decode, g4_attn_decode_staged and g4_attn_decode_mma are CUDA only (an empty Metal
-    text)."""
+    g4_attn_decode, g4_attn_decode_staged, g4_attn_decode_mma and g4_attn_decode_merge_wide are
+    CUDA only (an empty Metal text)."""
     from .registry import KernelSpec
 
     specs = []
     for kdef, cases in ((_PARTIAL, _partial_cases), (_MERGE, _merge_cases), (_FUSED, _fused_cases),
-                        (_STAGED, _staged_cases), (_MMA, _mma_cases)):
+                        (_STAGED, _staged_cases), (_MMA, _mma_cases), (_MERGE_WIDE, _merge_wide_cases)):
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
         specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs, cases))
     return specs

@@ -338,3 +338,46 @@ def test_mma_kernel_long_context_and_empty():
     empty = at.launch_decode_attention(q, k, v, mx.array(np.full(S, -1, np.int32)), mx.array([5], dtype=mx.int32),
                                        None, n_slots=0, init_value=NAN, mma=True)  # fmt: skip
     assert not np.array(empty.astype(mx.float32)).any(), "no valid slot: zeros expected"
+
+
+@pytest.mark.skipif(custom_kernels.backend() != "cuda" or custom_kernels.cuda_arch() < at.MMA_ARCH,
+                    reason="g4_attn_decode_mma needs CUDA sm_80+")  # fmt: skip
+def test_mma_kernel_in_the_compiled_step(monkeypatch):
+    """A bf16 model with 12B's attention geometry (sliding layers D = 256, 16 query on 8 kv heads;
+    a full layer D = 512, 16 query heads on one kv head, K = V) and random weights: the compiled
+    decode step with family attention_mma (the full layer through g4_attn_decode_mma and the wide
+    merge, 4 partitions of its 256-slot capacity) gives the default step's logits, teacher-forced
+    over 48 tokens after a 40-token prompt, within bf16 rounding, and the same greedy token wherever
+    the top two logits are further apart than the largest difference."""
+    from gemma4_mlx.cache import make_cache
+    from gemma4_mlx.compiled_step import CompiledDecoder
+    from gemma4_mlx.config import FULL, SLIDING, ModelConfig
+    from gemma4_mlx.model import Model
+
+    cfg = ModelConfig(hidden_size=512, num_hidden_layers=4, intermediate_size=1024, num_attention_heads=16,
+                      num_key_value_heads=8, num_global_key_value_heads=1, attention_k_eq_v=True,
+                      layer_types=[SLIDING, SLIDING, SLIDING, FULL], vocab_size=1024, head_dim=256,
+                      global_head_dim=512, sliding_window=32, max_position_embeddings=4096)  # fmt: skip
+    mx.random.seed(27)
+    model = Model(cfg)
+    model.set_dtype(mx.bfloat16)
+    ids = mx.array(np.random.default_rng(27).integers(0, cfg.vocab_size, 88, dtype=np.int32))
+    assert at.mma_supported("bfloat16", "bfloat16", 16, 1, 1, 512)
+
+    def logits(mma: bool) -> np.ndarray:
+        if mma:
+            monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "attention_mma")
+        else:
+            monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
+        cache = make_cache(cfg)
+        mx.eval(model(ids[None, :40], cache))
+        decoder = CompiledDecoder(model, cache, capacity=256)
+        return np.stack([np.array(decoder(ids[None, t : t + 1]).astype(mx.float32))[0] for t in range(40, 88)])
+
+    base, mma = logits(False), logits(True)
+    diff = np.abs(mma - base).max()
+    assert diff <= 2**-6 * np.abs(base).max(), f"logits differ by {diff:.3g} (max |logit| {np.abs(base).max():.3g})"
+    top2 = np.sort(base, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * diff
+    assert clear.sum() >= 24, "too few clear argmaxes to compare"
+    assert (mma.argmax(-1) == base.argmax(-1))[clear].all()
