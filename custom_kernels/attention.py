@@ -803,19 +803,6 @@ _MMA_BODY = r"""
         kp[j][e] = s < end ? kpos[s] : -1;
       }
     }
-    // the value rows of this thread's slots 16ks + 2t + {0, 1, 8, 9} (the slots of its scores), loaded
-    // with the keys so the tile waits for memory once; zeros where no row attends (after the loads:
-    // such rows may hold anything, NaN included)
-    uint4 vr[2][VB][4];
-    _Pragma("unroll") for (int ks = 0; ks < 2; ++ks) {
-      _Pragma("unroll") for (int u = 0; u < 4; ++u) {
-        const int s = t0 + 16 * ks + 8 * (u >> 1) + 2 * t + (u & 1);
-        _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) {
-          vr[ks][vb][u] = s < end ? g4_attn_ld16(vbase + (size_t)s * D + 64 * vb + 8 * g, aligned)
-                                  : make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
-    }
     // (a) partial scores over this warp's dims: Q rows x the slots t0 + 8j + g
     float sc[NJ][4];
     _Pragma("unroll") for (int j = 0; j < NJ; ++j) {
@@ -829,11 +816,17 @@ _MMA_BODY = r"""
       }
       s_part[buf][w][j][lane] = make_float4(sc[j][0], sc[j][1], sc[j][2], sc[j][3]);
     }
+    // the value rows of this thread's slots 16ks + 2t + {0, 1, 8, 9}, zeros where no row attends
+    uint4 vr[2][VB][4];
     _Pragma("unroll") for (int ks = 0; ks < 2; ++ks) {
       _Pragma("unroll") for (int u = 0; u < 4; ++u) {
-        const int p = kp[2 * ks + (u >> 1)][u & 1];
-        if (!(p >= 0 && p <= qmax && (WIN == 0 || qmin - p < WIN))) {
-          _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) vr[ks][vb][u] = make_uint4(0u, 0u, 0u, 0u);
+        const int j = 2 * ks + (u >> 1);
+        const int p = kp[j][u & 1];
+        const bool used = p >= 0 && p <= qmax && (WIN == 0 || qmin - p < WIN);
+        const int s = t0 + 8 * j + 2 * t + (u & 1);
+        _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) {
+          vr[ks][vb][u] = used ? g4_attn_ld16(vbase + (size_t)s * D + 64 * vb + 8 * g, aligned)
+                               : make_uint4(0u, 0u, 0u, 0u);
         }
       }
     }
@@ -841,7 +834,6 @@ _MMA_BODY = r"""
     // (b) the tile's scores (warps summed in order), masked; online softmax of rows g and g + 8
     float sv[NJ][4];
     _Pragma("unroll") for (int j = 0; j < NJ; ++j) {
-      asm volatile("" ::: "memory");  // one score tile at a time: NW loads live, not NJ x NW
       float4 a = s_part[buf][0][j][lane];
       _Pragma("unroll") for (int ww = 1; ww < NW; ++ww) {
         const float4 b = s_part[buf][ww][j][lane];
