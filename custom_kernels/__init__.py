@@ -59,7 +59,7 @@ because they have not passed ``pytest -m gpu`` on real hardware yet or showed no
 PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split",
                     "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                     "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
-                    "router_fused", "attention_fused", "quant_matvec_tiles"})  # fmt: skip
+                    "router_fused", "attention_fused", "quant_matvec_tiles", "attention_mma"})  # fmt: skip
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
@@ -107,19 +107,24 @@ tok/s median against 259.4, host lower in 4 of 4 rounds; E4B 226.2 against 201.7
 whole rows per threadgroup copied front to back into shared memory, custom_kernels.quant_tiles,
 CUDA on Hopper only) passed its registry cases, operator tests, compute-sanitizer and the model
 tests in session 23 and became a CUDA default there (31B at 4K in one process 90.2 tok/s median
-against 85.4, ahead in 3 of 3 rounds).
+against 85.4, ahead in 3 of 3 rounds); "attention_mma" (decode attention's partitions on tensor
+cores, the kv head's query rows as the mma's 16 rows, then a merge whose 8 warps split the
+partitions: custom_kernels.attention's g4_attn_decode_mma and g4_attn_decode_merge_wide, CUDA sm_80+,
+bf16; the model uses it where a kv head serves at least MMA_MIN_ROWS query rows and the one launch
+does not apply: the 31B, 26B-A4B and 12B full layers) passed its registry cases, its operator tests
+at the real shapes and a model-level test of the compiled step in session 27 and became a CUDA
+default there (31B full layer at 32K 300 -> 176 us per call; in one process 31B at 32K 82.7
+tok/s median against 76.2, 12B at 32K 143.5 against 133.7, 31B at 4K 93.3 against 92.4, ahead in
+every round; not run under compute-sanitizer).
 The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                        "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
-                       "router_fused", "attention_fused", "quant_matvec_tiles"})  # fmt: skip
+                       "router_fused", "attention_fused", "quant_matvec_tiles", "attention_mma"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"matvec_norm", "attention_staged", "attention_mma"})
+OPT_IN = frozenset({"matvec_norm", "attention_staged"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
-"attention_mma" (decode attention's partitions on tensor cores where the one launch is not used,
-custom_kernels.attention's g4_attn_decode_mma, CUDA sm_80+, bf16 q and caches, at most 16 query
-rows per kv head: the full layers), written in session 27;
 "attention_staged" (the one-launch decode attention with each tile's K and V rows bulk-copied
 into shared memory before the query rows load, custom_kernels.attention's g4_attn_decode_staged,
 CUDA on Hopper only; used where "attention_fused" is): bit-equal to the one launch and passed

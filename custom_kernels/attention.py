@@ -59,6 +59,12 @@ Kernel design (one body for Metal and CUDA through ``custom_kernels.dialect``):
    "attention_staged", opt-in): 3. with each tile's K and V rows brought into shared memory by two
    bulk copies that thread 0 issues before the query rows load; the same arithmetic in the same
    order (the same bits). Faster per call in isolation, not inside the decode step (session 26).
+5. ``g4_attn_decode_mma`` (CUDA sm_80+, bf16, with ``mma``; family "attention_mma"): 1. on tensor
+   cores, the kv head's G*M <= 16 query rows as the rows of mma.sync m16n8k16 (the f32-FMA kernel
+   is bound by its arithmetic where one K/V row serves 8-16 query rows of 512 dims), then
+   ``g4_attn_decode_merge_wide``, whose 8 warps split a row's partitions. Within f32 rounding of
+   1.-2., not their bits (see the comment above the kernel). The model's full layers with >= 8
+   query rows per kv head (31B, 26B-A4B, 12B; session 27).
 
 Shape stability: the grid has P partitions fixed by the capacity S (so one compiled decode step
 serves every token); the valid length ``n_slots`` is an input array, and each partition's slot
@@ -108,6 +114,7 @@ __all__ = [
     "default_mma_config",
     "mma_supported",
     "plan_decode_mma",
+    "MMA_MIN_ROWS",
 ]
 
 KERNEL_HEAD_DIMS = (128, 256, 512)
@@ -1024,6 +1031,10 @@ MMA_ARCH = 80
 """Compute capability the tensor-core kernel needs (bf16 mma.sync)."""
 MMA_MAX_ROWS = 16
 """Query rows per kv head (G x M) the tensor-core kernel takes: the mma's 16 rows."""
+MMA_MIN_ROWS = 8
+"""Query rows per kv head from which decode_attention takes the tensor-core kernel (with ``mma``):
+measured on the H200 (bench/NOTES.md, session 27), it beat the f32-FMA kernel on the full layers
+with 8 and 16 rows (31B, 26B-A4B, 12B) but not on E4B's with 4 (171 against 127 us at 32K)."""
 
 ATTENTION_COUNTER_WORDS = 256
 """uint32 words of an attention layer's counters: one per (batch x kv head, query tile) group."""
@@ -1346,10 +1357,11 @@ def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, position
     ``decode_attention_reference``; with ``counters`` (``new_attention_counters()``, the layer's)
     one launch where ``fused_supported``, and with ``staged`` its form that stages K and V in shared
     memory where ``staged_supported``; elsewhere, with ``mma``, the tensor-core partial kernel where
-    ``mma_supported``. Pass the cache buffers themselves: a non-contiguous
+    ``mma_supported`` and a kv head serves at least MMA_MIN_ROWS query rows. Pass the cache buffers themselves: a non-contiguous
     slice is copied before a kernel reads it."""
-    B, n_q, M, D, _, _ = _check(q, k_cache, v_cache, positions, q_positions, window)
+    B, n_q, M, D, n_kv, _ = _check(q, k_cache, v_cache, positions, q_positions, window)
     args = (q, k_cache, v_cache, positions, q_positions, window)
+    mma = mma and n_q // n_kv * M >= MMA_MIN_ROWS
     kernels = not use_reference() and D in KERNEL_HEAD_DIMS and 1 <= M <= MAX_QUERY_ROWS
     if kernels and merged and M == 1:  # [B, n_q, 1, D] and [B, 1, n_q * D] are the same flat rows
         return launch_decode_attention(*args, n_slots, out_shape=(B, 1, n_q * D), counters=counters, staged=staged,

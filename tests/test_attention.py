@@ -514,3 +514,19 @@ def test_mma_kernel_text():
     assert len(spec.cases(np.random.default_rng(0))) == 5
     assert spec.cuda_source.count("__syncthreads()") == 1 and spec.cuda_source.count("g4_attn_split(") == 4
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in spec.cuda_header
+
+
+def test_mma_rule_in_decode_attention(monkeypatch):
+    """decode_attention hands ``mma`` on only where a kv head serves at least MMA_MIN_ROWS query rows
+    (the 31B / 26B-A4B / 12B full layers at one token; not E4B's 4 rows, nor the sliding layers' 2)."""
+    seen = []
+    monkeypatch.setattr(at, "use_reference", lambda: False)
+    monkeypatch.setattr(at, "launch_decode_attention", lambda *a, mma=False, **k: seen.append(mma))
+    for n_q, n_kv, M, want in ((32, 4, 1, True), (16, 1, 1, True), (16, 2, 1, True), (8, 2, 1, False),
+                               (8, 2, 2, True), (32, 16, 1, False)):  # fmt: skip
+        q = mx.zeros((1, n_q, M, 512), mx.bfloat16)
+        kv = mx.zeros((1, n_kv, 64, 512), mx.bfloat16)
+        at.decode_attention(q, kv, kv, mx.arange(64), mx.arange(M), None, mma=True)
+        assert seen.pop() is want, (n_q, n_kv, M)
+    at.decode_attention(mx.zeros((1, 16, 1, 512), mx.bfloat16), kv[:, :1], kv[:, :1], mx.arange(64), mx.arange(1))
+    assert seen.pop() is False  # not asked for
