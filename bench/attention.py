@@ -5,7 +5,7 @@ valid positions in a capacity rounded up as the decode step does), one run repor
 microseconds per call, GB/s of the K and V bytes the call must read, and that rate as a fraction
 of the copy bandwidth measured in the same run; where they apply, the one-launch kernel
 (g4_attn_decode) and its staged form (g4_attn_decode_staged) at each geometry; the tensor-core
-partial kernel (g4_attn_decode_mma, then the merge) at each of MMA_GEOMETRIES; plus
+partial kernel (g4_attn_decode_mma, then g4_attn_decode_merge_wide) at each of MMA_GEOMETRIES; plus
 mx.fast.scaled_dot_product_attention over the valid K/V (what mlx-lm runs) and over the whole
 capacity with the mask (what a fixed-shape step could run). Times are GPU kernel
 time per call from a CUPTI trace (torch.profiler; bench/gpu_timeline.py): wall-clock time of

@@ -723,7 +723,7 @@ STAGED_ARCH = 90
 #  - V rows of slots no query row attends are zeros (their contents may be NaN), K rows of
 #    masked slots give scores that are then replaced by -inf.
 # The partition state is the FMA kernel's ([BH, P, QR, 2] and [BH, P, QR, D], f32), merged by
-# g4_attn_decode_merge. Not the FMA kernel's bits (another summation order): within f32 rounding.
+# g4_attn_decode_merge_wide (below). Not the FMA kernel's bits (another summation order): within f32 rounding.
 # Template: T, KT (bfloat16), D (256 | 512), G, M, WIN, NW (warps), TS (32), CMIN.
 _MMA_HELPERS = r"""
 // 8 bf16 (16 bytes) from global memory: one vector load when the arrays are 16-byte aligned
@@ -1236,8 +1236,9 @@ max_parts; rows and min_groups unused), e.g. "target_groups=528" (tuning)."""
 
 def default_mma_config(head_dim: int) -> AttentionConfig:
     """Geometry of g4_attn_decode_mma: a warp per 64 head dims (8 at D = 512, 4 at D = 256), 32-slot
-    tiles, partitions of at least 64 slots, about 264 thread blocks (two per H200 SM);
-    GEMMA4_MLX_ATTENTION_MMA_GEOMETRY overrides fields."""
+    tiles, partitions of at least 64 slots, about 264 thread blocks (twice the H200's 132 SMs; at
+    207 registers a 256-thread block has an SM to itself; 132 and 528 were slower at 31B's full
+    layer at 32K, session 27); GEMMA4_MLX_ATTENTION_MMA_GEOMETRY overrides fields."""
     cfg = AttentionConfig(rows=MMA_MAX_ROWS, simd_groups=max(1, min(8, head_dim // 64)), tile=32, min_chunk=64,
                           target_groups=264, max_parts=512)  # fmt: skip
     return geometry_override(cfg, MMA_GEOMETRY_ENV)
