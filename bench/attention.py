@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode  # noqa: E402  (bench/decode.py)
 import gpu_timeline  # noqa: E402  (bench/gpu_timeline.py: CUPTI kernel times)
 import kernels  # noqa: E402  (bench/kernels.py: timing harness, copy bandwidth)
+import custom_kernels  # noqa: E402
 from custom_kernels import attention as at  # noqa: E402
 from custom_kernels import backend  # noqa: E402
 from hardware import commit, hardware_info, sources_digest, write_result  # noqa: E402
@@ -61,6 +62,9 @@ MMA_GEOMETRIES = {
     "mma_t1056": dict(target_groups=1056),
     "mma_w4": dict(simd_groups=4),  # D = 512: 4 warps of 128 dims (the default is 8 of 64)
     "mma_c32_t528": dict(min_chunk=32, target_groups=528),
+    # g4_attn_decode_mma_staged (family attention_mma_staged): K and V tiles bulk-copied a tile ahead
+    "mma_staged": None,
+    "mma_staged_t132": dict(target_groups=132),
 }
 
 
@@ -132,8 +136,12 @@ def time_geometries(c: dict, geometries: dict, mma_geometries: dict, quick: bool
             cfg = base if fields is None else at.AttentionConfig(**{**base.__dict__, **fields})
             if fields and cfg == base:
                 continue  # the default itself at this head dim
-            plan = at.plan_decode_mma(1, n_q, n_kv, 1, c["slots"], D, c["window"], cfg)
-            rows.append(timed("g4_attn_decode_mma", name, plan, calls(None, mma=True, mma_config=cfg)))
+            staged = name.startswith("mma_staged")
+            if staged and custom_kernels.cuda_arch() < at.STAGED_ARCH:
+                continue
+            plan = at.plan_decode_mma(1, n_q, n_kv, 1, c["slots"], D, c["window"], cfg, staged)
+            impl = "g4_attn_decode_mma_staged" if staged else "g4_attn_decode_mma"
+            rows.append(timed(impl, name, plan, calls(None, mma=True, mma_config=cfg, mma_staged=staged)))
     valid = c["valid"]
     slots_k = [(k[:, :, :valid], v[:, :, :valid]) for k, v in c["kvs"]]
     sdpa = mx.fast.scaled_dot_product_attention  # GQA by broadcasting the kv heads

@@ -123,8 +123,11 @@ CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "qu
                        "router_fused", "attention_fused", "quant_matvec_tiles", "attention_mma"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"matvec_norm", "attention_staged"})
+OPT_IN = frozenset({"matvec_norm", "attention_staged", "attention_mma_staged"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
+"attention_mma_staged" (attention_mma's partial kernel with each tile's K and V rows bulk-copied into
+shared memory a tile ahead, custom_kernels.attention's g4_attn_decode_mma_staged, CUDA on Hopper):
+written in session 27 after the device time ran out, not yet run on a GPU (pending);
 "attention_staged" (the one-launch decode attention with each tile's K and V rows bulk-copied
 into shared memory before the query rows load, custom_kernels.attention's g4_attn_decode_staged,
 CUDA on Hopper only; used where "attention_fused" is): bit-equal to the one launch and passed

@@ -86,8 +86,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import (KernelSource, backend, check_ticket_counters, cuda_arch, dtype_name, geometry_override, template_args, ticket_counters,
-                use_reference)
+from . import (KernelSource, backend, check_ticket_counters, cuda_arch, dtype_name, geometry_override, get_kernel,
+                template_args, ticket_counters, use_reference)
 from .dialect import prelude, render
 
 __all__ = [
@@ -115,6 +115,7 @@ __all__ = [
     "mma_supported",
     "plan_decode_mma",
     "MMA_MIN_ROWS",
+    "mma_staged_shared_bytes",
 ]
 
 KERNEL_HEAD_DIMS = (128, 256, 512)
@@ -1029,6 +1030,113 @@ _MMA = KernelSource("g4_attn_decode_mma", _PARTIAL.input_names, _PARTIAL.output_
                     {"metal": ("", ""), "cuda": _mma_text()})  # fmt: skip
 MMA_ARCH = 80
 """Compute capability the tensor-core kernel needs (bf16 mma.sync)."""
+
+# The tensor-core kernel with each tile's K and V rows brought into shared memory by bulk copies,
+# ST stages (tiles) ahead (family "attention_mma_staged", CUDA on Hopper, opt-in; session 27,
+# not yet run on a GPU). g4_attn_decode_mma loads a tile's K rows, runs the score mmas, loads its
+# V rows and runs the value mmas: two memory waits per 32-slot tile in one 256-thread block per
+# SM (207 registers), 40% of copy at 31B's full layer at 32K. Here warp 0's lanes copy one K and
+# one V row each (RS bytes apart: 16 bytes of padding move each row 4 banks), the tile at slot t
+# lands in stage (tile index % ST) and completes that stage's mbarrier; tile i + ST - 1 is issued
+# once every warp has passed tile i's score barrier (so all of tile i - 1, the stage's last user, is
+# done). The fragments are read from shared memory with the same layout and arithmetic as the
+# unstaged kernel (the same bits). Arrays off 16-byte alignment take the unstaged loads.
+# Template: the mma kernel's plus ST (stages) and RP (row padding, bytes); dynamic shared memory
+# mma_staged_shared_bytes(D, ST, RP).
+_MMA_STAGED_SETUP = r"""
+  // staged: stage st holds a tile's TS K rows, then its TS V rows, RS bytes apart
+  constexpr int RS = 2 * D + RP;
+  constexpr int STAGE = 2 * TS * RS;
+  extern __shared__ __align__(128) uint8_t kv_st[];
+  __shared__ __align__(8) uint64_t kv_bar[ST];
+  const bool staged = aligned;  // bulk copies take 16-byte aligned rows
+  const uint32_t bar0 = g4_shared_addr(&kv_bar[0]);
+  auto issue = [&](int tile) {  // warp 0: the tile starting at start + tile TS, into stage tile % ST
+    const int t1 = start + tile * TS;
+    if (t1 >= end) return;
+    const int rows = end - t1 < TS ? end - t1 : TS;
+    const int st = tile % ST;
+    if (lane == 0) g4_mbar_expect_tx(bar0 + 8 * st, (uint32_t)(2 * rows * 2 * D));
+    __syncwarp();
+    if (lane < rows) {
+      const uint32_t dst = g4_shared_addr(kv_st) + (uint32_t)(st * STAGE + lane * RS);
+      const size_t row = ((size_t)bh * S + t1 + lane) * D;
+      g4_bulk_copy(dst, reinterpret_cast<const uint8_t*>(k + row), 2 * D, bar0 + 8 * st);
+      g4_bulk_copy(dst + TS * RS, reinterpret_cast<const uint8_t*>(v + row), 2 * D, bar0 + 8 * st);
+    }
+  };
+  if (staged && w == 0) {
+    if (lane == 0) {
+      _Pragma("unroll") for (int st = 0; st < ST; ++st) g4_mbar_init(bar0 + 8 * st, 1);
+      g4_mbar_init_fence();
+    }
+    __syncwarp();
+    _Pragma("unroll") for (int tile = 0; tile < ST - 1; ++tile) issue(tile);
+  }
+  __syncthreads();  // the barriers are initialized before any warp waits on them
+  int it = 0;  // tile index in the partition
+"""
+_MMA_STAGED_EDITS = (
+    ("  // gemma4-mlx attn_decode_mma: split-GQA decode attention over one sequence partition, on tensor cores\n",
+     "  // gemma4-mlx attn_decode_mma_staged: the tensor-core kernel, K and V tiles bulk-copied ST tiles ahead\n"),
+    ("  const __nv_bfloat16* vbase = v + (size_t)bh * S * D + d0;\n",
+     "  const __nv_bfloat16* vbase = v + (size_t)bh * S * D + d0;\n" + _MMA_STAGED_SETUP),
+    ("  for (int t0 = start; t0 < end; t0 += TS) {\n",
+     "  for (int t0 = start; t0 < end; t0 += TS) {\n"
+     "    const uint8_t* kst = kv_st + (it % ST) * STAGE + 2 * d0;  // this tile's K rows (V: + TS RS)\n"
+     "    if (staged) g4_mbar_wait(bar0 + 8 * (it % ST), (uint32_t)((it / ST) & 1));\n"),
+    ("        const uint4 kr = s < end ? g4_attn_ld16(kbase + (size_t)s * D + 32 * kb + 8 * t, aligned)\n"
+     "                                 : make_uint4(0u, 0u, 0u, 0u);\n",
+     "        const uint4 kr = s >= end ? make_uint4(0u, 0u, 0u, 0u)\n"
+     "                         : staged ? *reinterpret_cast<const uint4*>(kst + (s - t0) * RS + 2 * (32 * kb + 8 * t))\n"
+     "                         : g4_attn_ld16(kbase + (size_t)s * D + 32 * kb + 8 * t, aligned);\n"),
+    ("          vr[ks][vb][u] = used ? g4_attn_ld16(vbase + (size_t)s * D + 64 * vb + 8 * g, aligned)\n"
+     "                               : make_uint4(0u, 0u, 0u, 0u);\n",
+     "          vr[ks][vb][u] = !used ? make_uint4(0u, 0u, 0u, 0u)\n"
+     "                          : staged ? *reinterpret_cast<const uint4*>(kst + (TS + s - t0) * RS + 2 * (64 * vb + 8 * g))\n"
+     "                          : g4_attn_ld16(vbase + (size_t)s * D + 64 * vb + 8 * g, aligned);\n"),
+    # every warp is past tile it - 1, the last user of stage (it + ST - 1) % ST: refill it
+    ("    __syncthreads();\n    // (b) the tile's scores",
+     "    __syncthreads();\n"
+     "    if (staged && w == 0) {\n"
+     "      asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\");\n"
+     "      issue(it + ST - 1);\n"
+     "    }\n"
+     "    // (b) the tile's scores"),
+    ("        }\n      }\n    }\n  }\n\n  _Pragma(\"unroll\") for (int h = 0; h < 2; ++h) {\n    l_run[h] += __shfl_xor_sync",
+     "        }\n      }\n    }\n    ++it;\n  }\n\n  _Pragma(\"unroll\") for (int h = 0; h < 2; ++h) {\n    l_run[h] += __shfl_xor_sync"),
+)
+
+
+def _mma_staged_body() -> str:
+    """_MMA_BODY with the staged loads (_MMA_STAGED_EDITS, each applied exactly once)."""
+    body = _MMA_BODY
+    for old, new in _MMA_STAGED_EDITS:
+        assert body.count(old) == 1, old
+        body = body.replace(old, new)
+    return body
+
+
+def _mma_staged_text() -> tuple[str, str]:
+    from .quant_matvec import _MBAR_BULK_CUDA, _MMA_HEADER_CUDA, _STREAM_CP_ASYNC_CUDA  # mbarriers, bulk copies, mma
+
+    header = _text("")["cuda"][0] + _MMA_HEADER_CUDA + _STREAM_CP_ASYNC_CUDA + _MBAR_BULK_CUDA + _MMA_HELPERS
+    return header, _local(_mma_staged_body(), "cuda")
+
+
+_MMA_STAGED = KernelSource("g4_attn_decode_mma_staged", _PARTIAL.input_names, _PARTIAL.output_names,
+                           {"metal": ("", ""), "cuda": _mma_staged_text()})  # fmt: skip
+MMA_STAGES = 2
+"""Tiles of K and V rows g4_attn_decode_mma_staged keeps in flight (its ST; 3 fits unpadded rows
+at D = 512 beside the 32 KB of score exchange: mma_staged_shared_bytes)."""
+MMA_ROW_PAD = 16
+"""Bytes between consecutive staged rows beyond the row itself (RP): 16 moves each row 4 banks."""
+
+
+def mma_staged_shared_bytes(head_dim: int, stages: int = MMA_STAGES, row_pad: int = MMA_ROW_PAD) -> int:
+    """Dynamic shared memory of g4_attn_decode_mma_staged: ST stages of 32 K and 32 V rows."""
+    return stages * 2 * 32 * (2 * head_dim + row_pad)
+
 MMA_MAX_ROWS = 16
 """Query rows per kv head (G x M) the tensor-core kernel takes: the mma's 16 rows."""
 MMA_MIN_ROWS = 8
@@ -1252,9 +1360,10 @@ def mma_supported(q_dtype: str, kv_dtype: str, n_q: int, n_kv: int, m: int, head
 
 
 def plan_decode_mma(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: int, window: int | None,
-                    config: AttentionConfig | None = None) -> DecodePlan:  # fmt: skip
-    """Launch plan of g4_attn_decode_mma (then g4_attn_decode_merge_wide) for q [batch, n_q, m, head_dim]
-    (bf16) over caches [batch, n_kv, slots, head_dim] (bf16)."""
+                    config: AttentionConfig | None = None, staged: bool = False) -> DecodePlan:  # fmt: skip
+    """Launch plan of g4_attn_decode_mma, or with ``staged`` g4_attn_decode_mma_staged (its dynamic
+    shared memory: mma_staged_shared_bytes), then g4_attn_decode_merge_wide, for q [batch, n_q, m,
+    head_dim] (bf16) over caches [batch, n_kv, slots, head_dim] (bf16)."""
     cfg = config or default_mma_config(head_dim)
     nw, g = cfg.simd_groups, n_q // n_kv
     qr, bh = g * m, batch * n_kv
@@ -1267,6 +1376,8 @@ def plan_decode_mma(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_di
     parts = max(1, min(-(-slots // cfg.min_chunk), -(-cfg.target_groups // bh), cfg.max_parts))
     template = [("T", "bfloat16"), ("KT", "bfloat16"), ("D", head_dim), ("G", g), ("M", m), ("WIN", int(window or 0)),
                 ("NW", nw), ("TS", cfg.tile), ("CMIN", cfg.min_chunk)]  # fmt: skip
+    if staged:
+        template += [("ST", MMA_STAGES), ("RP", MMA_ROW_PAD)]
     return DecodePlan(
         partial_template=template,
         partial_grid=(32 * nw * bh, parts, 1),
@@ -1287,14 +1398,15 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
                             config: AttentionConfig | None = None, init_value: float | None = None,
                             out_shape: tuple[int, ...] | None = None,
                             counters: mx.array | None = None, staged: bool = False, mma: bool = False,
-                            mma_config: AttentionConfig | None = None) -> mx.array:  # fmt: skip
+                            mma_config: AttentionConfig | None = None, mma_staged: bool = False) -> mx.array:  # fmt: skip
     """Run the two kernels (GPU builds only, no fallback) -> [B, n_q, M, D] in q.dtype, or the same
     elements in ``out_shape`` (the merge kernel writes its rows flat: no reshape node). With
     ``counters`` (``new_attention_counters()``, one per sequence of calls that run one after
     another: a layer's) the one launch of g4_attn_decode where ``fused_supported``; with ``staged``
     too, g4_attn_decode_staged where ``staged_supported`` (the same bits, K and V through shared
     memory). Otherwise, with ``mma``, the tensor-core partial kernel g4_attn_decode_mma (geometry
-    ``mma_config``) where ``mma_supported``, then g4_attn_decode_merge_wide.
+    ``mma_config``; with ``mma_staged`` on Hopper its staged form g4_attn_decode_mma_staged) where
+    ``mma_supported``, then g4_attn_decode_merge_wide.
 
     ``init_value`` fills every output (partials included) before the kernels run (tests poison
     them with NaN)."""
@@ -1320,8 +1432,13 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
     partial, merge = _PARTIAL.kernel(), _MERGE.kernel()
     if mma and dtype_name(v_cache.dtype) == dtype_name(k_cache.dtype) and mma_supported(
             dtype_name(q.dtype), dtype_name(k_cache.dtype), n_q, n_kv, M, D):  # fmt: skip
-        plan = plan_decode_mma(B, n_q, n_kv, M, S, D, window, mma_config)
+        staged_mma = mma_staged and cuda_arch() >= STAGED_ARCH
+        plan = plan_decode_mma(B, n_q, n_kv, M, S, D, window, mma_config, staged_mma)
         partial, merge = _MMA.kernel(), _MERGE_WIDE.kernel()
+        if staged_mma:
+            partial = get_kernel(_MMA_STAGED.name, _MMA_STAGED.input_names, _MMA_STAGED.output_names,
+                                 _MMA_STAGED.text["metal"], _MMA_STAGED.text["cuda"],
+                                 cuda_shared_memory=mma_staged_shared_bytes(D))  # fmt: skip
     ml, pacc = partial(
         inputs=inputs,
         template=template_args(plan.partial_template),
@@ -1346,7 +1463,7 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
 def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
                      q_positions: mx.array, window: int | None = None, *, n_slots=None,
                      merged: bool = False, counters: mx.array | None = None,
-                     staged: bool = False, mma: bool = False) -> mx.array:  # fmt: skip
+                     staged: bool = False, mma: bool = False, mma_staged: bool = False) -> mx.array:  # fmt: skip
     """Attention of q [B, n_q, M, D] over whole cache buffers [B, n_kv, S, D] -> [B, n_q, M, D], or
     with ``merged`` [B, M, n_q * D] (each row's heads side by side, what the output projection
     reads; at M = 1 the kernel writes that shape directly, without a reshape node).
@@ -1358,7 +1475,8 @@ def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, position
     ``decode_attention_reference``; with ``counters`` (``new_attention_counters()``, the layer's)
     one launch where ``fused_supported``, and with ``staged`` its form that stages K and V in shared
     memory where ``staged_supported``; elsewhere, with ``mma``, the tensor-core partial kernel where
-    ``mma_supported`` and a kv head serves at least MMA_MIN_ROWS query rows. Pass the cache buffers themselves: a non-contiguous
+    ``mma_supported`` and a kv head serves at least MMA_MIN_ROWS query rows (with ``mma_staged``
+    its staged form on Hopper). Pass the cache buffers themselves: a non-contiguous
     slice is copied before a kernel reads it."""
     B, n_q, M, D, n_kv, _ = _check(q, k_cache, v_cache, positions, q_positions, window)
     args = (q, k_cache, v_cache, positions, q_positions, window)
@@ -1366,8 +1484,9 @@ def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, position
     kernels = not use_reference() and D in KERNEL_HEAD_DIMS and 1 <= M <= MAX_QUERY_ROWS
     if kernels and merged and M == 1:  # [B, n_q, 1, D] and [B, 1, n_q * D] are the same flat rows
         return launch_decode_attention(*args, n_slots, out_shape=(B, 1, n_q * D), counters=counters, staged=staged,
-                                       mma=mma)  # fmt: skip
-    out = (launch_decode_attention(*args, n_slots, counters=counters, staged=staged, mma=mma) if kernels
+                                       mma=mma, mma_staged=mma_staged)  # fmt: skip
+    out = (launch_decode_attention(*args, n_slots, counters=counters, staged=staged, mma=mma, mma_staged=mma_staged)
+           if kernels
            else decode_attention_reference(*args))  # fmt: skip
     return out.transpose(0, 2, 1, 3).reshape(B, M, n_q * D) if merged else out
 
@@ -1667,29 +1786,32 @@ def _staged_cases(rng: np.random.Generator):
     ]  # fmt: skip
 
 
-def _mma_case(rng, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, cfg):
-    """A case of g4_attn_decode_mma: bf16 q and caches, its partition states out."""
+def _mma_case(rng, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, cfg, staged=False):
+    """A case of g4_attn_decode_mma (or with ``staged`` g4_attn_decode_mma_staged): bf16 q and
+    caches, its partition states out."""
     from .registry import KernelCase
 
     pr = _problem(rng, "bfloat16", "bfloat16", B, n_q, n_kv, M, D, positions, q_positions, window, n_slots)
     S = len(positions)
-    plan = plan_decode_mma(B, n_q, n_kv, M, S, D, window, cfg)
+    plan = plan_decode_mma(B, n_q, n_kv, M, S, D, window, cfg, staged)
     ml, acc = partials_f64(pr.q64, pr.k64, pr.v64, pr.positions, pr.q_positions, window, n_slots, plan.parts,
                            cfg.min_chunk, cfg.tile)  # fmt: skip
     inputs = {"q": pr.q, "k": pr.k, "v": pr.v, "kpos": pr.positions, "qpos": pr.q_positions,
               "n_slots": np.array([n_slots], np.int32)}  # fmt: skip
     return KernelCase(
+        cuda_shared_memory=mma_staged_shared_bytes(D) if staged else 0,
         inputs=inputs, template=plan.partial_template, grid=plan.partial_grid, threadgroup=plan.partial_threadgroup,
         output_shapes=list(plan.partial_shapes), output_dtypes=["float32", "float32"], expected=[ml, acc],
         # p enters the value mma as bf16 hi + lo (~2^-16 relative) and the tensor cores add in f32 in
         # their own order: errors ~1e-5 on sums of up to a hundred p v terms with |v| ~ 1
         rtol=1e-4, atol=5e-5, input_dtypes=pr.in_dtypes,
-        label=f"mma B={B} n_q={n_q} n_kv={n_kv} M={M} D={D} S={S} W={window} n_slots={n_slots} P={plan.parts} "
+        label=f"mma{' staged' if staged else ''} B={B} n_q={n_q} n_kv={n_kv} M={M} D={D} S={S} W={window} "
+              f"n_slots={n_slots} P={plan.parts} "
               f"warps={cfg.simd_groups} cmin={cfg.min_chunk}",
     )  # fmt: skip
 
 
-def _mma_cases(rng: np.random.Generator):
+def _mma_cases(rng: np.random.Generator, staged: bool = False):
     """g4_attn_decode_mma at the shapes it serves (D = 512 with 16 and 8 rows per kv head, D = 256) and
     its edges: a short last tile and an idle partition, M = 2 and 4 (causal inside the tile), a ring
     with a window and empty slots, two sequences, positions past the query. (With no valid slot it
@@ -1700,16 +1822,26 @@ def _mma_cases(rng: np.random.Generator):
     return [
         # 12B full layer (G = 16): partitions of 64 + 64 + 22 slots, capacity past n_slots
         _mma_case(rng, 1, 16, 1, 1, 512, full, [149], None, 150,
-                  c(rows=16, simd_groups=8, tile=32, min_chunk=64, target_groups=3)),
+                  c(rows=16, simd_groups=8, tile=32, min_chunk=64, target_groups=3), staged),
         # G = 8, M = 2 (16 rows), 4 warps of 128 dims, 4 partitions of 32 (the last idle)
         _mma_case(rng, 1, 8, 1, 2, 512, np.arange(100), [98, 99], None, 99,
-                  c(rows=16, simd_groups=4, tile=32, min_chunk=32, target_groups=4)),
+                  c(rows=16, simd_groups=4, tile=32, min_chunk=32, target_groups=4), staged),
         # sliding ring (G = 2, D = 256) with a window and empty slots, one tile per partition
         _mma_case(rng, 1, 4, 2, 1, 256, _ring(96, 100, 195, empty=(5, 40)), [195], 64, 96,
-                  c(rows=16, simd_groups=4, tile=32, min_chunk=32, target_groups=6)),
+                  c(rows=16, simd_groups=4, tile=32, min_chunk=32, target_groups=6), staged),
         # two sequences, G = 4, M = 4 (16 rows), 2 warps of 128 dims, a slot past the queries
         _mma_case(rng, 2, 8, 2, 4, 256, _ring(70, 0, 60, future=(65,)), [57, 58, 59, 60], None, 70,
-                  c(rows=16, simd_groups=2, tile=32, min_chunk=64, target_groups=4)),
+                  c(rows=16, simd_groups=2, tile=32, min_chunk=64, target_groups=4), staged),
+    ]  # fmt: skip
+
+
+def _mma_staged_cases(rng: np.random.Generator):
+    """The tensor-core kernel's cases through its staged form (partitions of one to four tiles, a
+    short last tile: the copies' row count), plus one of 6 tiles (stages refilled in turn)."""
+    c = AttentionConfig
+    return _mma_cases(rng, staged=True) + [
+        _mma_case(rng, 1, 16, 1, 1, 512, np.arange(200), [190], None, 191,
+                  c(rows=16, simd_groups=8, tile=32, min_chunk=192, target_groups=1), staged=True),
     ]  # fmt: skip
 
 
@@ -1744,13 +1876,14 @@ def _merge_wide_cases(rng: np.random.Generator):
 
 def kernel_specs():
     """KernelSpec of the decode-attention kernels, with small emulator cases (odd tails included);
-    g4_attn_decode, g4_attn_decode_staged, g4_attn_decode_mma and g4_attn_decode_merge_wide are
-    CUDA only (an empty Metal text)."""
+    g4_attn_decode, g4_attn_decode_staged, g4_attn_decode_mma(_staged) and g4_attn_decode_merge_wide
+    are CUDA only (an empty Metal text)."""
     from .registry import KernelSpec
 
     specs = []
     for kdef, cases in ((_PARTIAL, _partial_cases), (_MERGE, _merge_cases), (_FUSED, _fused_cases),
-                        (_STAGED, _staged_cases), (_MMA, _mma_cases), (_MERGE_WIDE, _merge_wide_cases)):
+                        (_STAGED, _staged_cases), (_MMA, _mma_cases), (_MERGE_WIDE, _merge_wide_cases),
+                        (_MMA_STAGED, _mma_staged_cases)):
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
         specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs, cases))
     return specs

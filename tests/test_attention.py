@@ -501,6 +501,9 @@ def test_mma_plan_and_support(monkeypatch):
         at.plan_decode_mma(1, 16, 1, 1, 128, 256, None, at.AttentionConfig(simd_groups=8, tile=32, min_chunk=32))
     with pytest.raises(ValueError, match="exceed"):
         at.plan_decode_mma(1, 32, 1, 1, 128, 256, None)
+    staged = dict(at.plan_decode_mma(1, 32, 4, 1, 32768, 512, None, staged=True).partial_template)
+    assert (staged["ST"], staged["RP"]) == (at.MMA_STAGES, at.MMA_ROW_PAD) and "ST" not in t
+    assert at.mma_staged_shared_bytes(512) == 2 * 2 * 32 * 1040  # 2 stages of 32 K + 32 V rows, padded
     monkeypatch.setenv(at.MMA_GEOMETRY_ENV, "target_groups=528")
     assert at.plan_decode_mma(1, 32, 4, 1, 32768, 512, None).parts == 132
 
@@ -514,6 +517,11 @@ def test_mma_kernel_text():
     assert len(spec.cases(np.random.default_rng(0))) == 4
     assert spec.cuda_source.count("__syncthreads()") == 1 and spec.cuda_source.count("g4_attn_split(") == 4
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in spec.cuda_header
+    staged = {s.name: s for s in all_kernel_specs()}["g4_attn_decode_mma_staged"]
+    cases = staged.cases(np.random.default_rng(0))
+    assert not staged.metal_source and len(cases) == 5
+    assert all(c.cuda_shared_memory == at.mma_staged_shared_bytes(dict(c.template)["D"]) for c in cases)
+    assert at._mma_staged_body().count("g4_bulk_copy(") == 2 and "fence.proxy.async" in staged.cuda_source
 
 
 def test_mma_rule_in_decode_attention(monkeypatch):

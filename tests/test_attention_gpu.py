@@ -293,11 +293,15 @@ MMA_SHAPES = [s for s in SHAPES if s[1] // s[2] <= at.MMA_MAX_ROWS]
 @pytest.mark.skipif(custom_kernels.backend() != "cuda" or custom_kernels.cuda_arch() < at.MMA_ARCH,
                     reason="g4_attn_decode_mma needs CUDA sm_80+")  # fmt: skip
 @pytest.mark.parametrize("name, n_q, n_kv, D, layout", MMA_SHAPES, ids=[s[0] for s in MMA_SHAPES])
-def test_mma_kernel_matches_oracle(name, n_q, n_kv, D, layout):
-    """g4_attn_decode_mma (family "attention_mma") at the real layer shapes, bf16: every M up to 16
+@pytest.mark.parametrize("staged", [False, True], ids=["mma", "mma_staged"])
+def test_mma_kernel_matches_oracle(name, n_q, n_kv, D, layout, staged):
+    """g4_attn_decode_mma (family "attention_mma"), and its staged form g4_attn_decode_mma_staged
+    (family "attention_mma_staged", Hopper; the same bits), at the real layer shapes, bf16: every M up to 16
     query rows per kv head, the default geometry and one with other warps and uneven partitions,
     poisoned outputs and NaN in every slot no query may attend; within the oracle's bound; a second
     launch bit-identical; inputs 8 bytes off 16-byte alignment (the 2-byte loads) the same bits."""
+    if staged and custom_kernels.cuda_arch() < at.STAGED_ARCH:
+        pytest.skip("the staged form needs Hopper (bulk copies)")
     rng = np.random.default_rng(zlib.crc32(name.encode()) + 27)
     G = n_q // n_kv
     other = at.AttentionConfig(rows=16, simd_groups=max(1, D // 128), tile=32, min_chunk=32, target_groups=37)
@@ -307,7 +311,7 @@ def test_mma_kernel_matches_oracle(name, n_q, n_kv, D, layout):
         assert at.mma_supported("bfloat16", "bfloat16", n_q, n_kv, M, D)
         for config in (None, other):
             run = lambda a: at.launch_decode_attention(*a, window, n_slots=n_slots, init_value=NAN, mma=True,  # noqa: E731
-                                                       mma_config=config)  # fmt: skip
+                                                       mma_config=config, mma_staged=staged)  # fmt: skip
             out = run(args)
             what = f"{name} M={M} {config or 'default'}"
             assert out.shape == (1, n_q, M, D) and out.dtype == mx.bfloat16
@@ -316,6 +320,9 @@ def test_mma_kernel_matches_oracle(name, n_q, n_kv, D, layout):
             q, k, v, p, qp = args
             off = run((_offset_view(q, 8), _offset_view(k, 8), _offset_view(v, 8), p, qp))
             assert mx.array_equal(off, out).item(), f"{what}: misaligned inputs not the same bits"
+            if staged:  # the staged form's arithmetic is the unstaged kernel's
+                plain = at.launch_decode_attention(*args, window, n_slots=n_slots, mma=True, mma_config=config)
+                assert mx.array_equal(plain, out).item(), f"{what}: staged not g4_attn_decode_mma's bits"
 
 
 @pytest.mark.skipif(custom_kernels.backend() != "cuda" or custom_kernels.cuda_arch() < at.MMA_ARCH,
