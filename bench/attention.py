@@ -32,9 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode  # noqa: E402  (bench/decode.py)
 import gpu_timeline  # noqa: E402  (bench/gpu_timeline.py: CUPTI kernel times)
 import kernels  # noqa: E402  (bench/kernels.py: timing harness, copy bandwidth)
-import custom_kernels  # noqa: E402
 from custom_kernels import attention as at  # noqa: E402
-from custom_kernels import backend  # noqa: E402
+from custom_kernels import backend, cuda_arch  # noqa: E402
 from hardware import commit, hardware_info, sources_digest, write_result  # noqa: E402
 
 SLACK = 32  # ring slots beyond the window (cache.RotatingKVCache's default)
@@ -137,7 +136,7 @@ def time_geometries(c: dict, geometries: dict, mma_geometries: dict, quick: bool
             if fields and cfg == base:
                 continue  # the default itself at this head dim
             staged = name.startswith("mma_staged")
-            if staged and custom_kernels.cuda_arch() < at.STAGED_ARCH:
+            if staged and cuda_arch() < at.STAGED_ARCH:
                 continue
             plan = at.plan_decode_mma(1, n_q, n_kv, 1, c["slots"], D, c["window"], cfg, staged)
             impl = "g4_attn_decode_mma_staged" if staged else "g4_attn_decode_mma"

@@ -344,9 +344,11 @@ class KernelSource:
     output_names: tuple[str, ...]
     text: dict
 
-    def kernel(self) -> Callable:
-        """The cached MLX kernel object for this backend (see get_kernel)."""
-        return get_kernel(self.name, self.input_names, self.output_names, self.text["metal"], self.text["cuda"])
+    def kernel(self, cuda_shared_memory: int = 0) -> Callable:
+        """The cached MLX kernel object for this backend (see get_kernel), on CUDA created with
+        ``cuda_shared_memory`` bytes of dynamic shared memory."""
+        return get_kernel(self.name, self.input_names, self.output_names, self.text["metal"], self.text["cuda"],
+                          cuda_shared_memory=cuda_shared_memory)  # fmt: skip
 
 
 MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}

@@ -86,8 +86,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import (KernelSource, backend, check_ticket_counters, cuda_arch, dtype_name, geometry_override, get_kernel,
-                template_args, ticket_counters, use_reference)
+from . import (KernelSource, backend, check_ticket_counters, cuda_arch, dtype_name, geometry_override, template_args,
+                ticket_counters, use_reference)
 from .dialect import prelude, render
 
 __all__ = [
@@ -1434,11 +1434,8 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
             dtype_name(q.dtype), dtype_name(k_cache.dtype), n_q, n_kv, M, D):  # fmt: skip
         staged_mma = mma_staged and cuda_arch() >= STAGED_ARCH
         plan = plan_decode_mma(B, n_q, n_kv, M, S, D, window, mma_config, staged_mma)
-        partial, merge = _MMA.kernel(), _MERGE_WIDE.kernel()
-        if staged_mma:
-            partial = get_kernel(_MMA_STAGED.name, _MMA_STAGED.input_names, _MMA_STAGED.output_names,
-                                 _MMA_STAGED.text["metal"], _MMA_STAGED.text["cuda"],
-                                 cuda_shared_memory=mma_staged_shared_bytes(D))  # fmt: skip
+        partial = _MMA_STAGED.kernel(mma_staged_shared_bytes(D)) if staged_mma else _MMA.kernel()
+        merge = _MERGE_WIDE.kernel()
     ml, pacc = partial(
         inputs=inputs,
         template=template_args(plan.partial_template),

@@ -538,3 +538,43 @@ def test_mma_rule_in_decode_attention(monkeypatch):
         assert seen.pop() is want, (n_q, n_kv, M)
     at.decode_attention(mx.zeros((1, 16, 1, 512), mx.bfloat16), kv[:, :1], kv[:, :1], mx.arange(64), mx.arange(1))
     assert seen.pop() is False  # not asked for
+
+
+def test_mma_launch_plumbing(monkeypatch):
+    """launch_decode_attention on a faked Hopper CUDA build: with ``mma`` the tensor-core partial kernel
+    and the wide merge are created and called with their plans (the staged form with its dynamic
+    shared memory and ST / RP template values), and their output is what comes back."""
+    from custom_kernels import template_args
+
+    made, calls = {}, []
+
+    def fake_cuda_kernel(name, input_names, output_names, source, header, shared_memory=0):
+        made[name.rsplit("_", 1)[0]] = shared_memory
+
+        def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value=None):
+            calls.append((name.rsplit("_", 1)[0], dict(template), grid, threadgroup))
+            return [mx.full(s, 1.0, d) for s, d in zip(output_shapes, output_dtypes)]
+        return run
+
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(at, "backend", lambda: "cuda")
+    monkeypatch.setattr(at, "cuda_arch", lambda: 90)
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_cuda_kernel, raising=False)
+    custom_kernels.clear_kernel_cache()
+    try:
+        q = mx.zeros((1, 16, 1, 512), mx.bfloat16)
+        kv = mx.zeros((1, 1, 256, 512), mx.bfloat16)
+        for staged in (False, True):
+            calls.clear()
+            out = at.launch_decode_attention(q, kv, kv, mx.arange(256), mx.array([200]), None, n_slots=201, mma=True,
+                                             mma_staged=staged)  # fmt: skip
+            assert out.shape == (1, 16, 1, 512) and out.dtype == mx.bfloat16 and (np.array(out.astype(mx.float32)) == 1).all()
+            name = "g4_attn_decode_mma_staged" if staged else "g4_attn_decode_mma"
+            plan = at.plan_decode_mma(1, 16, 1, 1, 256, 512, None, staged=staged)
+            assert [c[0] for c in calls] == [name, "g4_attn_decode_merge_wide"]
+            assert calls[0][1:] == (dict(template_args(plan.partial_template)), plan.partial_grid,
+                                    plan.partial_threadgroup)  # fmt: skip
+            assert calls[1][2:] == (plan.merge_grid, plan.merge_threadgroup)
+            assert made[name] == (at.mma_staged_shared_bytes(512) if staged else 0)
+    finally:
+        custom_kernels.clear_kernel_cache()
