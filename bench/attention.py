@@ -64,6 +64,9 @@ MMA_GEOMETRIES = {
     # g4_attn_decode_mma_staged (family attention_mma_staged): K and V tiles bulk-copied a tile ahead
     "mma_staged": None,
     "mma_staged_t132": dict(target_groups=132),
+    "mma_staged_p0": dict(row_pad=0),  # rows unpadded: the padding's share of the bank conflicts
+    "mma_staged_s3p0": dict(stages=3, row_pad=0),  # a second tile in flight (D = 512: unpadded to fit)
+    "mma_staged_s3": dict(stages=3),  # D = 256 only (padded rows: too large at 512)
 }
 
 
@@ -138,7 +141,10 @@ def time_geometries(c: dict, geometries: dict, mma_geometries: dict, quick: bool
             staged = name.startswith("mma_staged")
             if staged and cuda_arch() < at.STAGED_ARCH:
                 continue
-            plan = at.plan_decode_mma(1, n_q, n_kv, 1, c["slots"], D, c["window"], cfg, staged)
+            try:
+                plan = at.plan_decode_mma(1, n_q, n_kv, 1, c["slots"], D, c["window"], cfg, staged)
+            except ValueError:
+                continue  # e.g. stages that do not fit this head dim's shared memory
             impl = "g4_attn_decode_mma_staged" if staged else "g4_attn_decode_mma"
             rows.append(timed(impl, name, plan, calls(None, mma=True, mma_config=cfg, mma_staged=staged)))
     valid = c["valid"]

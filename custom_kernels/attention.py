@@ -1042,7 +1042,7 @@ MMA_ARCH = 80
 # done). The fragments are read from shared memory with the same layout and arithmetic as the
 # unstaged kernel (the same bits). Arrays off 16-byte alignment take the unstaged loads.
 # Template: the mma kernel's plus ST (stages) and RP (row padding, bytes); dynamic shared memory
-# mma_staged_shared_bytes(D, ST, RP).
+# mma_staged_shared_bytes(D, ST, RP); ST and RP are AttentionConfig's stages and row_pad.
 _MMA_STAGED_SETUP = r"""
   // staged: stage st holds a tile's TS K rows, then its TS V rows, RS bytes apart
   constexpr int RS = 2 * D + RP;
@@ -1126,15 +1126,13 @@ def _mma_staged_text() -> tuple[str, str]:
 
 _MMA_STAGED = KernelSource("g4_attn_decode_mma_staged", _PARTIAL.input_names, _PARTIAL.output_names,
                            {"metal": ("", ""), "cuda": _mma_staged_text()})  # fmt: skip
-MMA_STAGES = 2
-"""Tiles of K and V rows g4_attn_decode_mma_staged keeps in flight (its ST; 3 fits unpadded rows
-at D = 512 beside the 32 KB of score exchange: mma_staged_shared_bytes)."""
-MMA_ROW_PAD = 16
-"""Bytes between consecutive staged rows beyond the row itself (RP): 16 moves each row 4 banks."""
+MMA_SHARED_LIMIT = 227 * 1024
+"""Shared memory one thread block may have on Hopper (static + dynamic, bytes)."""
 
 
-def mma_staged_shared_bytes(head_dim: int, stages: int = MMA_STAGES, row_pad: int = MMA_ROW_PAD) -> int:
-    """Dynamic shared memory of g4_attn_decode_mma_staged: ST stages of 32 K and 32 V rows."""
+def mma_staged_shared_bytes(head_dim: int, stages: int, row_pad: int) -> int:
+    """Dynamic shared memory of g4_attn_decode_mma_staged: ST stages of 32 K and 32 V rows of
+    2 x head_dim + RP bytes."""
     return stages * 2 * 32 * (2 * head_dim + row_pad)
 
 MMA_MAX_ROWS = 16
@@ -1169,7 +1167,9 @@ class AttentionConfig:
     ``max_parts`` partitions at most (long caches then get longer partitions), and
     ``min_groups``, which lifts that cap so a layer with few K/V heads still gets that many
     threadgroups when its cache is long enough and ``target_groups`` is at least as large (so a
-    strict ``max_parts`` needs ``min_groups=0`` too)."""
+    strict ``max_parts`` needs ``min_groups=0`` too). ``stages`` and ``row_pad`` are
+    g4_attn_decode_mma_staged's ST (tiles of K and V rows in flight) and RP (bytes between staged
+    rows beyond the row itself: 16 moves each row 4 banks; 3 stages fit at D = 512 unpadded only)."""
 
     rows: int = 16
     simd_groups: int = 4
@@ -1178,6 +1178,8 @@ class AttentionConfig:
     target_groups: int = 512
     max_parts: int = 4096
     min_groups: int = 0
+    stages: int = 2
+    row_pad: int = 16
 
     def __post_init__(self):
         if not 1 <= self.rows <= 64:
@@ -1194,6 +1196,10 @@ class AttentionConfig:
             raise ValueError("max_parts must be positive")
         if self.min_groups < 0:
             raise ValueError("min_groups must be >= 0")
+        if self.stages < 2:
+            raise ValueError("stages must be >= 2")
+        if self.row_pad < 0 or self.row_pad % 16:
+            raise ValueError("row_pad must be a multiple of 16 bytes (the bulk copies' alignment)")
 
 
 GEOMETRY_ENV = "GEMMA4_MLX_ATTENTION_GEOMETRY"
@@ -1243,6 +1249,7 @@ class DecodePlan:
     parts: int
     shared_bytes: int
     merge_bytes: int  # partial state one (kv head, query tile) group's merge reads: P x QT x D x 4
+    dynamic_bytes: int = 0  # the partial kernel's dynamic shared memory (CUDA)
 
 
 def plan_decode(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: int, q_dtype: str, kv_dtype: str,
@@ -1376,8 +1383,13 @@ def plan_decode_mma(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_di
     parts = max(1, min(-(-slots // cfg.min_chunk), -(-cfg.target_groups // bh), cfg.max_parts))
     template = [("T", "bfloat16"), ("KT", "bfloat16"), ("D", head_dim), ("G", g), ("M", m), ("WIN", int(window or 0)),
                 ("NW", nw), ("TS", cfg.tile), ("CMIN", cfg.min_chunk)]  # fmt: skip
+    shared = 2 * nw * (cfg.tile // 8) * 32 * 16
+    dynamic = mma_staged_shared_bytes(head_dim, cfg.stages, cfg.row_pad) if staged else 0
     if staged:
-        template += [("ST", MMA_STAGES), ("RP", MMA_ROW_PAD)]
+        template += [("ST", cfg.stages), ("RP", cfg.row_pad)]
+        if shared + dynamic + 8 * cfg.stages > MMA_SHARED_LIMIT:
+            raise ValueError(f"{cfg.stages} stages of rows padded {cfg.row_pad} bytes need {dynamic} bytes of shared "
+                             f"memory beside {shared}: more than a thread block's {MMA_SHARED_LIMIT}")  # fmt: skip
     return DecodePlan(
         partial_template=template,
         partial_grid=(32 * nw * bh, parts, 1),
@@ -1388,8 +1400,9 @@ def plan_decode_mma(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_di
         merge_threadgroup=(256, 1, 1),
         out_shape=(batch, n_q, m, head_dim),
         parts=parts,
-        shared_bytes=2 * nw * (cfg.tile // 8) * 32 * 16,
+        shared_bytes=shared,
         merge_bytes=4 * parts * qr * head_dim,
+        dynamic_bytes=dynamic,
     )
 
 
@@ -1434,7 +1447,7 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
             dtype_name(q.dtype), dtype_name(k_cache.dtype), n_q, n_kv, M, D):  # fmt: skip
         staged_mma = mma_staged and cuda_arch() >= STAGED_ARCH
         plan = plan_decode_mma(B, n_q, n_kv, M, S, D, window, mma_config, staged_mma)
-        partial = _MMA_STAGED.kernel(mma_staged_shared_bytes(D)) if staged_mma else _MMA.kernel()
+        partial = _MMA_STAGED.kernel(plan.dynamic_bytes) if staged_mma else _MMA.kernel()
         merge = _MERGE_WIDE.kernel()
     ml, pacc = partial(
         inputs=inputs,
@@ -1796,7 +1809,7 @@ def _mma_case(rng, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, 
     inputs = {"q": pr.q, "k": pr.k, "v": pr.v, "kpos": pr.positions, "qpos": pr.q_positions,
               "n_slots": np.array([n_slots], np.int32)}  # fmt: skip
     return KernelCase(
-        cuda_shared_memory=mma_staged_shared_bytes(D) if staged else 0,
+        cuda_shared_memory=plan.dynamic_bytes,
         inputs=inputs, template=plan.partial_template, grid=plan.partial_grid, threadgroup=plan.partial_threadgroup,
         output_shapes=list(plan.partial_shapes), output_dtypes=["float32", "float32"], expected=[ml, acc],
         # p enters the value mma as bf16 hi + lo (~2^-16 relative) and the tensor cores add in f32 in
@@ -1834,11 +1847,16 @@ def _mma_cases(rng: np.random.Generator, staged: bool = False):
 
 def _mma_staged_cases(rng: np.random.Generator):
     """The tensor-core kernel's cases through its staged form (partitions of one to four tiles, a
-    short last tile: the copies' row count), plus one of 6 tiles (stages refilled in turn)."""
+    short last tile: the copies' row count), plus partitions of 6 tiles (stages refilled in turn)
+    with 2 padded, 3 unpadded (D = 512: the most shared memory a block may have) and 4 stages."""
     c = AttentionConfig
     return _mma_cases(rng, staged=True) + [
         _mma_case(rng, 1, 16, 1, 1, 512, np.arange(200), [190], None, 191,
                   c(rows=16, simd_groups=8, tile=32, min_chunk=192, target_groups=1), staged=True),
+        _mma_case(rng, 1, 8, 1, 1, 512, np.arange(400), [390], None, 391,
+                  c(rows=16, simd_groups=8, tile=32, min_chunk=192, target_groups=3, stages=3, row_pad=0), staged=True),
+        _mma_case(rng, 1, 8, 2, 2, 256, np.arange(200), [180, 181], None, 182,
+                  c(rows=16, simd_groups=4, tile=32, min_chunk=192, target_groups=2, stages=4), staged=True),
     ]  # fmt: skip
 
 

@@ -502,8 +502,18 @@ def test_mma_plan_and_support(monkeypatch):
     with pytest.raises(ValueError, match="exceed"):
         at.plan_decode_mma(1, 32, 1, 1, 128, 256, None)
     staged = dict(at.plan_decode_mma(1, 32, 4, 1, 32768, 512, None, staged=True).partial_template)
-    assert (staged["ST"], staged["RP"]) == (at.MMA_STAGES, at.MMA_ROW_PAD) and "ST" not in t
-    assert at.mma_staged_shared_bytes(512) == 2 * 2 * 32 * 1040  # 2 stages of 32 K + 32 V rows, padded
+    assert (staged["ST"], staged["RP"]) == (2, 16) and "ST" not in t and p.dynamic_bytes == 0
+    assert at.mma_staged_shared_bytes(512, 2, 16) == 2 * 2 * 32 * 1040  # 2 stages of 32 K + 32 V rows, padded
+    three = at.plan_decode_mma(1, 32, 4, 1, 32768, 512, None, at.AttentionConfig(tile=32, min_chunk=64, simd_groups=8,
+                               stages=3, row_pad=0), staged=True)  # fmt: skip
+    assert (dict(three.partial_template)["ST"], dict(three.partial_template)["RP"]) == (3, 0)
+    assert three.dynamic_bytes == 3 * 2 * 32 * 1024  # beside the 32 KB exchange: just under Hopper's 227 KB
+    with pytest.raises(ValueError, match="more than a thread block"):
+        at.plan_decode_mma(1, 32, 4, 1, 32768, 512, None, at.AttentionConfig(tile=32, min_chunk=64, simd_groups=8,
+                           stages=3, row_pad=16), staged=True)  # fmt: skip
+    for bad in (dict(stages=1), dict(row_pad=8), dict(row_pad=-16)):
+        with pytest.raises(ValueError, match="stages|row_pad"):
+            at.AttentionConfig(**bad)
     monkeypatch.setenv(at.MMA_GEOMETRY_ENV, "target_groups=528")
     assert at.plan_decode_mma(1, 32, 4, 1, 32768, 512, None).parts == 132
 
@@ -519,8 +529,11 @@ def test_mma_kernel_text():
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in spec.cuda_header
     staged = {s.name: s for s in all_kernel_specs()}["g4_attn_decode_mma_staged"]
     cases = staged.cases(np.random.default_rng(0))
-    assert not staged.metal_source and len(cases) == 5
-    assert all(c.cuda_shared_memory == at.mma_staged_shared_bytes(dict(c.template)["D"]) for c in cases)
+    assert not staged.metal_source and len(cases) == 7
+    for c in cases:
+        t = dict(c.template)
+        assert c.cuda_shared_memory == at.mma_staged_shared_bytes(t["D"], t["ST"], t["RP"])
+    assert {(dict(c.template)["ST"], dict(c.template)["RP"]) for c in cases} == {(2, 16), (3, 0), (4, 16)}
     assert at._mma_staged_body().count("g4_bulk_copy(") == 2 and "fence.proxy.async" in staged.cuda_source
 
 
@@ -575,6 +588,6 @@ def test_mma_launch_plumbing(monkeypatch):
             assert calls[0][1:] == (dict(template_args(plan.partial_template)), plan.partial_grid,
                                     plan.partial_threadgroup)  # fmt: skip
             assert calls[1][2:] == (plan.merge_grid, plan.merge_threadgroup)
-            assert made[name] == (at.mma_staged_shared_bytes(512) if staged else 0)
+            assert made[name] == plan.dynamic_bytes == (at.mma_staged_shared_bytes(512, 2, 16) if staged else 0)
     finally:
         custom_kernels.clear_kernel_cache()
