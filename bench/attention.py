@@ -61,9 +61,10 @@ MMA_GEOMETRIES = {
     "mma_t1056": dict(target_groups=1056),
     "mma_w4": dict(simd_groups=4),  # D = 512: 4 warps of 128 dims (the default is 8 of 64)
     "mma_c32_t528": dict(min_chunk=32, target_groups=528),
-    # g4_attn_decode_mma_staged (family attention_mma_staged): K and V tiles bulk-copied a tile ahead
+    # g4_attn_decode_mma_staged (family attention_mma_staged): K and V tiles bulk-copied a tile ahead,
+    # fields over default_mma_config(D, staged=True)'s
     "mma_staged": None,
-    "mma_staged_t132": dict(target_groups=132),
+    "mma_staged_t264": dict(target_groups=264),
     "mma_staged_p0": dict(row_pad=0),  # rows unpadded: the padding's share of the bank conflicts
     "mma_staged_s3p0": dict(stages=3, row_pad=0),  # a second tile in flight (D = 512: unpadded to fit)
     "mma_staged_s3": dict(stages=3),  # D = 256 only (padded rows: too large at 512)
@@ -133,12 +134,12 @@ def time_geometries(c: dict, geometries: dict, mma_geometries: dict, quick: bool
                 rows.append(timed(impl, name, plan, calls(cfg, counters=at.new_attention_counters(), staged=staged)))
     n_q, n_kv = c["q"].shape[1], c["kvs"][0][0].shape[1]
     if mma_geometries and at.mma_supported("bfloat16", "bfloat16", n_q, n_kv, 1, D):
-        base = at.default_mma_config(D)
         for name, fields in mma_geometries.items():
+            staged = name.startswith("mma_staged")
+            base = at.default_mma_config(D, staged)
             cfg = base if fields is None else at.AttentionConfig(**{**base.__dict__, **fields})
             if fields and cfg == base:
                 continue  # the default itself at this head dim
-            staged = name.startswith("mma_staged")
             if staged and cuda_arch() < at.STAGED_ARCH:
                 continue
             try:

@@ -115,6 +115,7 @@ __all__ = [
     "mma_supported",
     "plan_decode_mma",
     "MMA_MIN_ROWS",
+    "MMA_STAGED_MIN_ROWS",
     "mma_staged_shared_bytes",
 ]
 
@@ -1141,6 +1142,9 @@ MMA_MIN_ROWS = 8
 """Query rows per kv head from which decode_attention takes the tensor-core kernel (with ``mma``):
 measured on the H200 (bench/NOTES.md, session 27), it beat the f32-FMA kernel on the full layers
 with 8 and 16 rows (31B, 26B-A4B, 12B) but not on E4B's with 4 (171 against 127 us at 32K)."""
+MMA_STAGED_MIN_ROWS = 4
+"""The same for its staged form (``mma_staged`` on Hopper): E4B's full layers (4 rows) 104 against
+134 us at 32K, 39 against 48 at 4K; the sliding layers' 2 rows did not gain (session 28)."""
 
 ATTENTION_COUNTER_WORDS = 256
 """uint32 words of an attention layer's counters: one per (batch x kv head, query tile) group."""
@@ -1349,13 +1353,15 @@ MMA_GEOMETRY_ENV = "GEMMA4_MLX_ATTENTION_MMA_GEOMETRY"
 max_parts; rows and min_groups unused), e.g. "target_groups=528" (tuning)."""
 
 
-def default_mma_config(head_dim: int) -> AttentionConfig:
+def default_mma_config(head_dim: int, staged: bool = False) -> AttentionConfig:
     """Geometry of g4_attn_decode_mma: a warp per 64 head dims (8 at D = 512, 4 at D = 256), 32-slot
     tiles, partitions of at least 64 slots, about 264 thread blocks (twice the H200's 132 SMs; at
     207 registers a 256-thread block has an SM to itself; 132 and 528 were slower at 31B's full
-    layer at 32K, session 27); GEMMA4_MLX_ATTENTION_MMA_GEOMETRY overrides fields."""
+    layer at 32K, session 27); its ``staged`` form about 132 (one per SM: at 32K 26B-A4B's full
+    layer 82 against 102 us with 264, 12B's 63 against 72, 31B's 163 against 169; session 28), 2
+    stages of rows padded 16 bytes; GEMMA4_MLX_ATTENTION_MMA_GEOMETRY overrides fields."""
     cfg = AttentionConfig(rows=MMA_MAX_ROWS, simd_groups=max(1, min(8, head_dim // 64)), tile=32, min_chunk=64,
-                          target_groups=264, max_parts=512)  # fmt: skip
+                          target_groups=132 if staged else 264, max_parts=512)  # fmt: skip
     return geometry_override(cfg, MMA_GEOMETRY_ENV)
 
 
@@ -1371,7 +1377,7 @@ def plan_decode_mma(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_di
     """Launch plan of g4_attn_decode_mma, or with ``staged`` g4_attn_decode_mma_staged (its dynamic
     shared memory: mma_staged_shared_bytes), then g4_attn_decode_merge_wide, for q [batch, n_q, m,
     head_dim] (bf16) over caches [batch, n_kv, slots, head_dim] (bf16)."""
-    cfg = config or default_mma_config(head_dim)
+    cfg = config or default_mma_config(head_dim, staged)
     nw, g = cfg.simd_groups, n_q // n_kv
     qr, bh = g * m, batch * n_kv
     if cfg.tile != 32:
@@ -1486,11 +1492,12 @@ def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, position
     one launch where ``fused_supported``, and with ``staged`` its form that stages K and V in shared
     memory where ``staged_supported``; elsewhere, with ``mma``, the tensor-core partial kernel where
     ``mma_supported`` and a kv head serves at least MMA_MIN_ROWS query rows (with ``mma_staged``
-    its staged form on Hopper). Pass the cache buffers themselves: a non-contiguous
+    on Hopper its staged form, from MMA_STAGED_MIN_ROWS rows). Pass the cache buffers themselves: a non-contiguous
     slice is copied before a kernel reads it."""
     B, n_q, M, D, n_kv, _ = _check(q, k_cache, v_cache, positions, q_positions, window)
     args = (q, k_cache, v_cache, positions, q_positions, window)
-    mma = mma and n_q // n_kv * M >= MMA_MIN_ROWS
+    mma_staged = mma_staged and cuda_arch() >= STAGED_ARCH
+    mma = mma and n_q // n_kv * M >= (MMA_STAGED_MIN_ROWS if mma_staged else MMA_MIN_ROWS)
     kernels = not use_reference() and D in KERNEL_HEAD_DIMS and 1 <= M <= MAX_QUERY_ROWS
     if kernels and merged and M == 1:  # [B, n_q, 1, D] and [B, 1, n_q * D] are the same flat rows
         return launch_decode_attention(*args, n_slots, out_shape=(B, 1, n_q * D), counters=counters, staged=staged,

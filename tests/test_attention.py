@@ -493,6 +493,7 @@ def test_mma_plan_and_support(monkeypatch):
     assert p.partial_threadgroup == (256, 1, 1) and p.partial_grid == (256 * 4, 66, 1) and p.parts == 66
     assert dict(p.merge_template)["TS"] == 32 and dict(p.merge_template)["CMIN"] == 64
     assert p.partial_shapes == [(4, 66, 8, 2), (4, 66, 8, 512)] and p.shared_bytes == 32768
+    assert at.plan_decode_mma(1, 32, 4, 1, 32768, 512, None, staged=True).parts == 33  # staged: ~132 blocks
     assert at.plan_decode_mma(1, 16, 1, 1, 128, 512, None).parts == 2  # short caches: >= 64 slots a partition
     assert dict(at.plan_decode_mma(1, 8, 2, 1, 1056, 256, 1024).partial_template)["NW"] == 4
     with pytest.raises(ValueError, match="32-slot tiles"):
@@ -551,6 +552,17 @@ def test_mma_rule_in_decode_attention(monkeypatch):
         assert seen.pop() is want, (n_q, n_kv, M)
     at.decode_attention(mx.zeros((1, 16, 1, 512), mx.bfloat16), kv[:, :1], kv[:, :1], mx.arange(64), mx.arange(1))
     assert seen.pop() is False  # not asked for
+    # the staged form takes MMA_STAGED_MIN_ROWS (E4B's full layers: 4 rows), on Hopper only
+    for arch, want in ((90, True), (80, False)):
+        monkeypatch.setattr(at, "cuda_arch", lambda arch=arch: arch)
+        kv = mx.zeros((1, 2, 64, 512), mx.bfloat16)
+        at.decode_attention(mx.zeros((1, 8, 1, 512), mx.bfloat16), kv, kv, mx.arange(64), mx.arange(1), None,
+                            mma=True, mma_staged=True)  # fmt: skip
+        assert seen.pop() is want, arch
+    kv = mx.zeros((1, 16, 64, 512), mx.bfloat16)
+    at.decode_attention(mx.zeros((1, 32, 1, 512), mx.bfloat16), kv, kv, mx.arange(64), mx.arange(1), None,
+                        mma=True, mma_staged=True)  # fmt: skip
+    assert seen.pop() is False  # the sliding layers' 2 rows
 
 
 def test_mma_launch_plumbing(monkeypatch):

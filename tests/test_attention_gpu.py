@@ -320,8 +320,9 @@ def test_mma_kernel_matches_oracle(name, n_q, n_kv, D, layout, staged):
             q, k, v, p, qp = args
             off = run((_offset_view(q, 8), _offset_view(k, 8), _offset_view(v, 8), p, qp))
             assert mx.array_equal(off, out).item(), f"{what}: misaligned inputs not the same bits"
-            if staged:  # the staged form's arithmetic is the unstaged kernel's
-                plain = at.launch_decode_attention(*args, window, n_slots=n_slots, mma=True, mma_config=config)
+            if staged:  # the staged form's arithmetic is the unstaged kernel's (on the same partitions)
+                plain = at.launch_decode_attention(*args, window, n_slots=n_slots, mma=True,
+                                                   mma_config=config or at.default_mma_config(D, staged=True))  # fmt: skip
                 assert mx.array_equal(plain, out).item(), f"{what}: staged not g4_attn_decode_mma's bits"
 
 
