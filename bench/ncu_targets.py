@@ -12,7 +12,9 @@ the dispatch geometry), fma_in_place (the same with the in-place decode), gate_u
 the split-K gate/up kernel at its default geometry), head (Q8_0 tied head), probe
 (bench/kernels.read_probe in its 99.5% order over the gate's bytes), attn_sliding / attn_full
 (decode attention partial + merge at a 4K context), attn_sliding_fused / attn_sliding_staged
-(the sliding layer's one launch, g4_attn_decode, and its staged form); at E4B's short rows
+(the sliding layer's one launch, g4_attn_decode, and its staged form), attn_full_mma_32k /
+attn_full_mma_staged_32k (the full layer at a 32K context on tensor cores, g4_attn_decode_mma or
+g4_attn_decode_mma_staged at their default geometries, then the wide merge); at E4B's short rows
 (K = 2560, where every matvec is slower per byte: bench/NOTES.md session 11): gate_up_split_e4b
 (20480 x 2560) and down_e4b (2560 x 10240, the same kernel family at long rows, for comparison); gate_up_runs /
 gate_up_runs_e4b: the one-token runs kernel (tensor cores; its default form, the staged 16-row one
@@ -84,15 +86,18 @@ def _probe(x):
     return kernels.read_probe(w, order=1)
 
 
-def _attention(kind: str, one_launch: bool = False, staged: bool = False):
+def _attention(kind: str, one_launch: bool = False, staged: bool = False, mma_staged: bool | None = None,
+               context: int = 4096):  # fmt: skip
+    """mma_staged None: the f32-FMA kernels; False / True: the tensor-core kernel / its staged form."""
     def run(x):
         spec = attention_bench.layer_shapes(decode.preset("31B"))[kind]
-        c = attention_bench.case(spec, 4096, 1, quick=False)
+        c = attention_bench.case(spec, context, 1, quick=False)
         k, v = c["kvs"][0]
         counters = at.new_attention_counters() if one_launch else None
         return at.launch_decode_attention(c["q"], k, v, c["positions"], c["q_pos"], c["window"],
                                           None if c["window"] else c["valid"], counters=counters,
-                                          staged=staged)  # fmt: skip
+                                          staged=staged, mma=mma_staged is not None,
+                                          mma_staged=bool(mma_staged))  # fmt: skip
 
     return run
 
@@ -100,6 +105,8 @@ def _attention(kind: str, one_launch: bool = False, staged: bool = False):
 TARGETS = {"fma": _fma, "fma_in_place": _fma_in_place, "gate_up": _gate_up, "gate_up_split": _gate_up_split,
            "head": _head, "probe": _probe, "attn_sliding": _attention("sliding"), "attn_full": _attention("full"),
            "attn_sliding_fused": _attention("sliding", True), "attn_sliding_staged": _attention("sliding", True, True),
+           "attn_full_mma_32k": _attention("full", mma_staged=False, context=32768),
+           "attn_full_mma_staged_32k": _attention("full", mma_staged=True, context=32768),
            "gate_up_split_e4b": lambda x: _gate_up_split(x, E4B_FFN), "down_e4b": _down_e4b,
            "gate_up_runs": _gate_up_runs, "gate_up_runs_e4b": lambda x: _gate_up_runs(x, E4B_FFN)}  # fmt: skip
 WIDTH = {"gate_up_split_e4b": E4B_HIDDEN, "down_e4b": E4B_FFN, "gate_up_runs_e4b": E4B_HIDDEN}  # x width (default HIDDEN)
