@@ -128,9 +128,10 @@ OPT_IN = frozenset({"matvec_norm", "attention_staged", "attention_mma_staged"})
 "attention_mma_staged" (attention_mma's partial kernel with each tile's K and V rows bulk-copied into
 shared memory a tile ahead, custom_kernels.attention's g4_attn_decode_mma_staged, CUDA on Hopper):
 its registry cases passed on the H200 under compute-sanitizer in session 28, where it cut the
-full layers' partial kernel at 32K (12B 102 -> 63 us, 26B-A4B 96 -> 82; E4B's 4 rows, both launches, 134 -> 104
-against the f32-FMA kernel) and 12B at 32K read 144.1 against 139.2 tok/s in one process; opt-in
-until its oracle tests at the real shapes and the model tests are seen passing with it;
+full layers' partial kernel at 32K (12B 102 -> 63 us, 26B-A4B 96 -> 82; E4B's 4 rows, both
+launches, 134 -> 104 against the f32-FMA kernels) and 12B at 32K read 144.1 against 139.2 tok/s
+in one process; opt-in until its oracle tests at the real shapes and the model tests are seen
+passing with it;
 "attention_staged" (the one-launch decode attention with each tile's K and V rows bulk-copied
 into shared memory before the query rows load, custom_kernels.attention's g4_attn_decode_staged,
 CUDA on Hopper only; used where "attention_fused" is): bit-equal to the one launch and passed

@@ -1492,8 +1492,8 @@ def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, position
     one launch where ``fused_supported``, and with ``staged`` its form that stages K and V in shared
     memory where ``staged_supported``; elsewhere, with ``mma``, the tensor-core partial kernel where
     ``mma_supported`` and a kv head serves at least MMA_MIN_ROWS query rows (with ``mma_staged``
-    on Hopper its staged form, from MMA_STAGED_MIN_ROWS rows). Pass the cache buffers themselves: a non-contiguous
-    slice is copied before a kernel reads it."""
+    on Hopper its staged form, from MMA_STAGED_MIN_ROWS rows). Pass the cache buffers themselves:
+    a non-contiguous slice is copied before a kernel reads it."""
     B, n_q, M, D, n_kv, _ = _check(q, k_cache, v_cache, positions, q_positions, window)
     args = (q, k_cache, v_cache, positions, q_positions, window)
     mma_staged = mma_staged and cuda_arch() >= STAGED_ARCH
