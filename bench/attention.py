@@ -5,9 +5,10 @@ valid positions in a capacity rounded up as the decode step does), one run repor
 microseconds per call, GB/s of the K and V bytes the call must read, and that rate as a fraction
 of the copy bandwidth measured in the same run; where they apply, the one-launch kernel
 (g4_attn_decode) and its staged form (g4_attn_decode_staged) at each geometry; the tensor-core
-partial kernel (g4_attn_decode_mma, then g4_attn_decode_merge_wide) at each of MMA_GEOMETRIES; plus
-mx.fast.scaled_dot_product_attention over the valid K/V (what mlx-lm runs) and over the whole
-capacity with the mask (what a fixed-shape step could run). Times are GPU kernel
+partial kernel (g4_attn_decode_mma, its staged form or g4_attn_decode_mma8, then
+g4_attn_decode_merge_wide) at each of MMA_GEOMETRIES; plus mx.fast.scaled_dot_product_attention over
+the valid K/V (what mlx-lm runs) and over the whole capacity with the mask (what a fixed-shape step
+could run). Times are GPU kernel
 time per call from a CUPTI trace (torch.profiler; bench/gpu_timeline.py): wall-clock time of
 back-to-back calls is MLX's host cost per op at these sizes (~25 us whatever the geometry), so it
 is printed but not used. Caches rotate over >= 8 sets (>= 512 MiB) so the L2 cannot serve them.
@@ -68,6 +69,10 @@ MMA_GEOMETRIES = {
     "mma_staged_p0": dict(row_pad=0),  # rows unpadded: the padding's share of the bank conflicts
     "mma_staged_s3p0": dict(stages=3, row_pad=0),  # a second tile in flight (D = 512: unpadded to fit)
     "mma_staged_s3": dict(stages=3),  # D = 256 only (padded rows: too large at 512)
+    # g4_attn_decode_mma8 (family attention_mma8): <= 8 rows, the products transposed (2 blocks per SM)
+    "mma8": None,
+    "mma8_t528": dict(target_groups=528),
+    "mma8_w4": dict(simd_groups=4),
 }
 
 
@@ -135,7 +140,7 @@ def time_geometries(c: dict, geometries: dict, mma_geometries: dict, quick: bool
     n_q, n_kv = c["q"].shape[1], c["kvs"][0][0].shape[1]
     if mma_geometries and at.mma_supported("bfloat16", "bfloat16", n_q, n_kv, 1, D):
         for name, fields in mma_geometries.items():
-            staged = name.startswith("mma_staged")
+            staged, mma8 = name.startswith("mma_staged"), name.startswith("mma8")
             base = at.default_mma_config(D, staged)
             cfg = base if fields is None else at.AttentionConfig(**{**base.__dict__, **fields})
             if fields and cfg == base:
@@ -143,11 +148,11 @@ def time_geometries(c: dict, geometries: dict, mma_geometries: dict, quick: bool
             if staged and cuda_arch() < at.STAGED_ARCH:
                 continue
             try:
-                plan = at.plan_decode_mma(1, n_q, n_kv, 1, c["slots"], D, c["window"], cfg, staged)
+                plan = at.plan_decode_mma(1, n_q, n_kv, 1, c["slots"], D, c["window"], cfg, staged, mma8)
             except ValueError:
-                continue  # e.g. stages that do not fit this head dim's shared memory
-            impl = "g4_attn_decode_mma_staged" if staged else "g4_attn_decode_mma"
-            rows.append(timed(impl, name, plan, calls(None, mma=True, mma_config=cfg, mma_staged=staged)))
+                continue  # stages that do not fit this head dim's shared memory, mma8 past 8 rows
+            impl = "g4_attn_decode_mma_staged" if staged else "g4_attn_decode_mma8" if mma8 else "g4_attn_decode_mma"
+            rows.append(timed(impl, name, plan, calls(None, mma=True, mma_config=cfg, mma_staged=staged, mma8=mma8)))
     valid = c["valid"]
     slots_k = [(k[:, :, :valid], v[:, :, :valid]) for k, v in c["kvs"]]
     sdpa = mx.fast.scaled_dot_product_attention  # GQA by broadcasting the kv heads

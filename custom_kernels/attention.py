@@ -116,6 +116,8 @@ __all__ = [
     "plan_decode_mma",
     "MMA_MIN_ROWS",
     "MMA_STAGED_MIN_ROWS",
+    "MMA8_MIN_ROWS",
+    "MMA8_MAX_ROWS",
     "mma_staged_shared_bytes",
 ]
 
@@ -1032,6 +1034,217 @@ _MMA = KernelSource("g4_attn_decode_mma", _PARTIAL.input_names, _PARTIAL.output_
 MMA_ARCH = 80
 """Compute capability the tensor-core kernel needs (bf16 mma.sync)."""
 
+# The tensor-core kernel for at most 8 query rows per kv head (family "attention_mma8", CUDA
+# sm_80+, opt-in; session 28, not yet run on a GPU). With 8 rows or fewer (31B's and 26B-A4B's full
+# layers: 8, E4B's: 4, the sliding layers: 2) g4_attn_decode_mma's 16 mma rows are half padding:
+# its value accumulators hold 8 zero rows and it needs 138 registers at 31B's shape, so one
+# 256-thread block per SM. Here the products are transposed: the slots (scores) and head dims
+# (values) are the mma's 16 rows and the query rows its 8 columns:
+#  - scores S^T = K Q^T per 16 slots (K rows as the A operand, the same permuted 32-dim blocks as
+#    g4_attn_decode_mma), summed across the warps through shared memory stored as [row][slot], so
+#    the read-back is already the B-operand layout of the value product (lane g, t: row g, slots
+#    2t, 2t + 1, 2t + 8, 2t + 9 of each 16);
+#  - values O^T = V^T P^T: V as the A operand (lane g of each 16-dim tile: dims 8g + 2i and
+#    8g + 2i + 1 of a 16-byte load, byte-permuted across slot pairs), P (f32, exact online softmax
+#    of row g) as bf16 hi + lo B operands; the accumulator's columns are rows 2t, 2t + 1, which take
+#    their softmax rescale from lanes 8t and 8t + 4 by shuffle.
+# The partition state and merge are g4_attn_decode_mma's. Template: T, KT (bfloat16), D (256 |
+# 512), G, M (G * M <= 8), WIN, NW (warps, D / NW a multiple of 64), TS (32), CMIN.
+_MMA8_BODY = r"""
+  // gemma4-mlx attn_decode_mma8: split-GQA decode attention over one sequence partition, on tensor cores, <= 8 rows
+  constexpr int QR = G * M;     // query rows of the kv head: mma columns 0..QR-1 (the rest are zeros)
+  constexpr int DW = D / NW;    // head dims of each warp
+  constexpr int KB = DW / 32;   // 32-dim blocks of a warp's scores
+  constexpr int VB = DW / 64;   // 64-dim blocks of a warp's values
+  constexpr int SP = 40;        // floats per row of the score exchange: 32 slots + 8 (float2 reads without conflicts)
+  static_assert(TS == 32 && QR <= 8 && DW % 64 == 0, "attn_decode_mma8: 32-slot tiles, <= 8 rows, 64-dim slices");
+  const float NEG_INF = __int_as_float(0xff800000);
+  __shared__ __align__(16) float s_part[2][NW][8][SP];  // each warp's partial scores [row][slot], two buffers
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int w = tid >> 5;
+  const int g = lane >> 2;  // score slot (and slot + 8), query row of the value product, value dims 8g..8g+7
+  const int t = lane & 3;   // query rows 2t, 2t + 1 of the products' outputs
+  const int bh = blockIdx.x;
+  const int part = blockIdx.y;
+  const int nparts = gridDim.y;
+  const int S = k_shape[2];
+  const int nslots = n_slots[0] < 0 ? 0 : (n_slots[0] > S ? S : n_slots[0]);
+  const int chunk = g4_attn_chunk(nslots, nparts, CMIN, TS);
+  const int start = part * chunk;
+  if (start >= nslots) return;  // an idle partition (the whole block): the merge skips it
+  const int end = start + chunk < nslots ? start + chunk : nslots;
+  int qmin = qpos[0];
+  int qmax = qpos[0];
+  for (int m = 1; m < M; ++m) {
+    qmin = qpos[m] < qmin ? qpos[m] : qmin;
+    qmax = qpos[m] > qmax ? qpos[m] : qmax;
+  }
+  const int qg = g < QR ? qpos[g % M] : -1;  // position of row g (-1: a padding row, attends nothing)
+  const int d0 = w * DW;
+  const bool aligned = ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) |
+                         reinterpret_cast<uintptr_t>(v)) & 15u) == 0;
+  const __nv_bfloat16* kbase = k + (size_t)bh * S * D + d0;
+  const __nv_bfloat16* vbase = v + (size_t)bh * S * D + d0;
+  uint4 qf[KB];  // row g: dims d0 + 32 kb + 8t .. + 7 (the score product's B operand)
+  _Pragma("unroll") for (int kb = 0; kb < KB; ++kb) {
+    qf[kb] = g < QR ? g4_attn_ld16(q + ((size_t)bh * QR + g) * D + d0 + 32 * kb + 8 * t, aligned)
+                    : make_uint4(0u, 0u, 0u, 0u);
+  }
+  float o[VB][4][4];  // value tile i: rows 2t, 2t + 1 x dims d0 + 64 vb + 8g + 2i (e 0, 1) and + 1 (e 2, 3)
+  _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) {
+    _Pragma("unroll") for (int i = 0; i < 4; ++i) { _Pragma("unroll") for (int e = 0; e < 4; ++e) o[vb][i][e] = 0.0f; }
+  }
+  float m_run = NEG_INF;
+  float l_run = 0.0f;  // this thread's share of row g's sum (the quad's add up)
+  int buf = 0;
+
+  for (int t0 = start; t0 < end; t0 += TS) {
+    // positions of this thread's value slots t0 + 16ks + 2t + {0, 1, 8, 9} (row g's scores after the exchange)
+    int kp[2][4];
+    _Pragma("unroll") for (int ks = 0; ks < 2; ++ks) {
+      _Pragma("unroll") for (int u = 0; u < 4; ++u) {
+        const int s = t0 + 16 * ks + 2 * t + (u & 1) + 8 * (u >> 1);
+        kp[ks][u] = s < end ? kpos[s] : -1;
+      }
+    }
+    // (a) partial scores over this warp's dims: slots t0 + 16mt + g (+ 8) x query rows 2t, 2t + 1
+    _Pragma("unroll") for (int mt = 0; mt < 2; ++mt) {
+      float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const int sa = t0 + 16 * mt + g;
+      const int sb = sa + 8;
+      _Pragma("unroll") for (int kb = 0; kb < KB; ++kb) {
+        const uint4 ka = sa < end ? g4_attn_ld16(kbase + (size_t)sa * D + 32 * kb + 8 * t, aligned)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+        const uint4 kc = sb < end ? g4_attn_ld16(kbase + (size_t)sb * D + 32 * kb + 8 * t, aligned)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+        g4_mma_bf16(sc, ka.x, kc.x, ka.y, kc.y, qf[kb].x, qf[kb].y);
+        g4_mma_bf16(sc, ka.z, kc.z, ka.w, kc.w, qf[kb].z, qf[kb].w);
+      }
+      float* sp = &s_part[buf][w][0][0];
+      sp[(2 * t) * SP + 16 * mt + g] = sc[0];
+      sp[(2 * t + 1) * SP + 16 * mt + g] = sc[1];
+      sp[(2 * t) * SP + 16 * mt + g + 8] = sc[2];
+      sp[(2 * t + 1) * SP + 16 * mt + g + 8] = sc[3];
+    }
+    // the value rows of this thread's slots, zeros where no row attends
+    uint4 vr[2][VB][4];
+    _Pragma("unroll") for (int ks = 0; ks < 2; ++ks) {
+      _Pragma("unroll") for (int u = 0; u < 4; ++u) {
+        const int p = kp[ks][u];
+        const bool used = p >= 0 && p <= qmax && (WIN == 0 || qmin - p < WIN);
+        const int s = t0 + 16 * ks + 2 * t + (u & 1) + 8 * (u >> 1);
+        _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) {
+          vr[ks][vb][u] = used ? g4_attn_ld16(vbase + (size_t)s * D + 64 * vb + 8 * g, aligned)
+                               : make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    }
+    __syncthreads();
+    // (b) row g's scores of the tile (warps summed in order), masked; its online softmax
+    float sv[2][4];
+    _Pragma("unroll") for (int ks = 0; ks < 2; ++ks) {
+      float2 lo = *reinterpret_cast<const float2*>(&s_part[buf][0][g][16 * ks + 2 * t]);
+      float2 hi = *reinterpret_cast<const float2*>(&s_part[buf][0][g][16 * ks + 2 * t + 8]);
+      _Pragma("unroll") for (int ww = 1; ww < NW; ++ww) {
+        const float2 a = *reinterpret_cast<const float2*>(&s_part[buf][ww][g][16 * ks + 2 * t]);
+        const float2 b = *reinterpret_cast<const float2*>(&s_part[buf][ww][g][16 * ks + 2 * t + 8]);
+        lo.x += a.x;
+        lo.y += a.y;
+        hi.x += b.x;
+        hi.y += b.y;
+      }
+      sv[ks][0] = lo.x;
+      sv[ks][1] = lo.y;
+      sv[ks][2] = hi.x;
+      sv[ks][3] = hi.y;
+    }
+    buf ^= 1;
+    float top = NEG_INF;
+    _Pragma("unroll") for (int ks = 0; ks < 2; ++ks) {
+      _Pragma("unroll") for (int u = 0; u < 4; ++u) {
+        const int p = kp[ks][u];
+        const bool ok = p >= 0 && p <= qg && (WIN == 0 || qg - p < WIN);
+        sv[ks][u] = ok ? sv[ks][u] : NEG_INF;
+        top = sv[ks][u] > top ? sv[ks][u] : top;
+      }
+    }
+    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+    const float m_new = m_run > top ? m_run : top;
+    const bool live = m_new > NEG_INF;
+    const float alpha = live ? g4_attn_exp(m_run - m_new) : 1.0f;
+    float ps = 0.0f;
+    _Pragma("unroll") for (int ks = 0; ks < 2; ++ks) {
+      _Pragma("unroll") for (int u = 0; u < 4; ++u) {
+        const float p = live ? g4_attn_exp(sv[ks][u] - m_new) : 0.0f;
+        sv[ks][u] = p;
+        ps += p;
+      }
+    }
+    l_run = l_run * alpha + ps;
+    m_run = m_new;
+    // (c) values: o = alpha o + (P V)^T, the rescale of rows 2t and 2t + 1 from lanes 8t and 8t + 4
+    const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * t);
+    const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+    _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) {
+      _Pragma("unroll") for (int i = 0; i < 4; ++i) {
+        o[vb][i][0] *= alpha0;
+        o[vb][i][1] *= alpha1;
+        o[vb][i][2] *= alpha0;
+        o[vb][i][3] *= alpha1;
+      }
+    }
+    _Pragma("unroll") for (int ks = 0; ks < 2; ++ks) {
+      uint32_t bh0, bl0, bh1, bl1;  // B fragments: row g x slots 16ks + 2t + {0, 1} and + {8, 9}, hi and lo
+      g4_attn_split(sv[ks][0], sv[ks][1], bh0, bl0);
+      g4_attn_split(sv[ks][2], sv[ks][3], bh1, bl1);
+      _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) {
+        _Pragma("unroll") for (int i = 0; i < 4; ++i) {
+          // A fragments: dims 8g + 2i (row g) and 8g + 2i + 1 (row g + 8) x slot pairs (2t, 2t + 1), (2t + 8, 2t + 9)
+          const uint32_t w0 = g4_u4(vr[ks][vb][0], i), w1 = g4_u4(vr[ks][vb][1], i);
+          const uint32_t w2 = g4_u4(vr[ks][vb][2], i), w3 = g4_u4(vr[ks][vb][3], i);
+          const uint32_t a0 = __byte_perm(w0, w1, 0x5410u), a1 = __byte_perm(w0, w1, 0x7632u);
+          const uint32_t a2 = __byte_perm(w2, w3, 0x5410u), a3 = __byte_perm(w2, w3, 0x7632u);
+          g4_mma_bf16(o[vb][i], a0, a1, a2, a3, bh0, bh1);
+          g4_mma_bf16(o[vb][i], a0, a1, a2, a3, bl0, bl1);
+        }
+      }
+    }
+  }
+
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  const size_t base = ((size_t)bh * nparts + part) * QR;
+  if (w == 0 && t == 0 && g < QR) {
+    ml[(base + g) * 2] = m_run;
+    ml[(base + g) * 2 + 1] = l_run;
+  }
+  _Pragma("unroll") for (int e = 0; e < 2; ++e) {
+    const int r = 2 * t + e;
+    if (r < QR) {
+      _Pragma("unroll") for (int vb = 0; vb < VB; ++vb) {
+        float4* dst = reinterpret_cast<float4*>(pacc + (base + r) * D + d0 + 64 * vb + 8 * g);
+        dst[0] = make_float4(o[vb][0][e], o[vb][0][2 + e], o[vb][1][e], o[vb][1][2 + e]);
+        dst[1] = make_float4(o[vb][2][e], o[vb][2][2 + e], o[vb][3][e], o[vb][3][2 + e]);
+      }
+    }
+  }
+"""
+
+
+def _mma8_text() -> tuple[str, str]:
+    from .quant_matvec import _MMA_HEADER_CUDA  # g4_mma_bf16
+
+    return _text("")["cuda"][0] + _MMA_HEADER_CUDA + _MMA_HELPERS, _local(_MMA8_BODY, "cuda")
+
+
+_MMA8 = KernelSource("g4_attn_decode_mma8", _PARTIAL.input_names, _PARTIAL.output_names,
+                     {"metal": ("", ""), "cuda": _mma8_text()})  # fmt: skip
+MMA8_MAX_ROWS = 8
+"""Query rows per kv head g4_attn_decode_mma8 takes: the mma's 8 columns."""
+
 # The tensor-core kernel with each tile's K and V rows brought into shared memory by bulk copies,
 # ST stages (tiles) ahead (family "attention_mma_staged", CUDA on Hopper, opt-in; session 27,
 # not yet run on a GPU). g4_attn_decode_mma loads a tile's K rows, runs the score mmas, loads its
@@ -1145,6 +1358,10 @@ with 8 and 16 rows (31B, 26B-A4B, 12B) but not on E4B's with 4 (171 against 127 
 MMA_STAGED_MIN_ROWS = 4
 """The same for its staged form (``mma_staged`` on Hopper): E4B's full layers (4 rows) 104 against
 134 us at 32K, 39 against 48 at 4K; the sliding layers' 2 rows did not gain (session 28)."""
+MMA8_MIN_ROWS = 4
+"""The same for g4_attn_decode_mma8 (``mma8``, 4..8 rows): not measured yet; the rows where the
+16-row forms paid (E4B's full layers with the staged one), the sliding layers' 2 left to the FMA
+one launch until a measurement says otherwise."""
 
 ATTENTION_COUNTER_WORDS = 256
 """uint32 words of an attention layer's counters: one per (batch x kv head, query tile) group."""
@@ -1350,7 +1567,8 @@ def staged_supported(plan: DecodePlan) -> bool:
 
 MMA_GEOMETRY_ENV = "GEMMA4_MLX_ATTENTION_MMA_GEOMETRY"
 """AttentionConfig fields over default_mma_config's (simd_groups = warps, min_chunk, target_groups,
-max_parts; rows and min_groups unused), e.g. "target_groups=528" (tuning)."""
+max_parts, and the staged form's stages and row_pad; rows and min_groups unused), e.g.
+"target_groups=528" (tuning)."""
 
 
 def default_mma_config(head_dim: int, staged: bool = False) -> AttentionConfig:
@@ -1373,10 +1591,11 @@ def mma_supported(q_dtype: str, kv_dtype: str, n_q: int, n_kv: int, m: int, head
 
 
 def plan_decode_mma(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_dim: int, window: int | None,
-                    config: AttentionConfig | None = None, staged: bool = False) -> DecodePlan:  # fmt: skip
+                    config: AttentionConfig | None = None, staged: bool = False, mma8: bool = False) -> DecodePlan:  # fmt: skip
     """Launch plan of g4_attn_decode_mma, or with ``staged`` g4_attn_decode_mma_staged (its dynamic
-    shared memory: mma_staged_shared_bytes), then g4_attn_decode_merge_wide, for q [batch, n_q, m,
-    head_dim] (bf16) over caches [batch, n_kv, slots, head_dim] (bf16)."""
+    shared memory: mma_staged_shared_bytes), or with ``mma8`` g4_attn_decode_mma8, then
+    g4_attn_decode_merge_wide, for q [batch, n_q, m, head_dim] (bf16) over caches [batch, n_kv,
+    slots, head_dim] (bf16)."""
     cfg = config or default_mma_config(head_dim, staged)
     nw, g = cfg.simd_groups, n_q // n_kv
     qr, bh = g * m, batch * n_kv
@@ -1386,10 +1605,12 @@ def plan_decode_mma(batch: int, n_q: int, n_kv: int, m: int, slots: int, head_di
         raise ValueError(f"{nw} warps cannot split head dim {head_dim} in 64-dim slices")
     if qr > MMA_MAX_ROWS:
         raise ValueError(f"{qr} query rows per kv head exceed the mma's {MMA_MAX_ROWS}")
+    if mma8 and (staged or qr > MMA8_MAX_ROWS):
+        raise ValueError(f"g4_attn_decode_mma8 takes at most {MMA8_MAX_ROWS} query rows per kv head, unstaged")
     parts = max(1, min(-(-slots // cfg.min_chunk), -(-cfg.target_groups // bh), cfg.max_parts))
     template = [("T", "bfloat16"), ("KT", "bfloat16"), ("D", head_dim), ("G", g), ("M", m), ("WIN", int(window or 0)),
                 ("NW", nw), ("TS", cfg.tile), ("CMIN", cfg.min_chunk)]  # fmt: skip
-    shared = 2 * nw * (cfg.tile // 8) * 32 * 16
+    shared = 2 * nw * 8 * 40 * 4 if mma8 else 2 * nw * (cfg.tile // 8) * 32 * 16  # the score exchange
     dynamic = mma_staged_shared_bytes(head_dim, cfg.stages, cfg.row_pad) if staged else 0
     if staged:
         template += [("ST", cfg.stages), ("RP", cfg.row_pad)]
@@ -1417,14 +1638,16 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
                             config: AttentionConfig | None = None, init_value: float | None = None,
                             out_shape: tuple[int, ...] | None = None,
                             counters: mx.array | None = None, staged: bool = False, mma: bool = False,
-                            mma_config: AttentionConfig | None = None, mma_staged: bool = False) -> mx.array:  # fmt: skip
+                            mma_config: AttentionConfig | None = None, mma_staged: bool = False,
+                            mma8: bool = False) -> mx.array:  # fmt: skip
     """Run the two kernels (GPU builds only, no fallback) -> [B, n_q, M, D] in q.dtype, or the same
     elements in ``out_shape`` (the merge kernel writes its rows flat: no reshape node). With
     ``counters`` (``new_attention_counters()``, one per sequence of calls that run one after
     another: a layer's) the one launch of g4_attn_decode where ``fused_supported``; with ``staged``
     too, g4_attn_decode_staged where ``staged_supported`` (the same bits, K and V through shared
     memory). Otherwise, with ``mma``, the tensor-core partial kernel g4_attn_decode_mma (geometry
-    ``mma_config``; with ``mma_staged`` on Hopper its staged form g4_attn_decode_mma_staged) where
+    ``mma_config``; with ``mma8`` g4_attn_decode_mma8 where a kv head serves at most MMA8_MAX_ROWS
+    query rows, else with ``mma_staged`` on Hopper its staged form g4_attn_decode_mma_staged) where
     ``mma_supported``, then g4_attn_decode_merge_wide.
 
     ``init_value`` fills every output (partials included) before the kernels run (tests poison
@@ -1451,9 +1674,10 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
     partial, merge = _PARTIAL.kernel(), _MERGE.kernel()
     if mma and dtype_name(v_cache.dtype) == dtype_name(k_cache.dtype) and mma_supported(
             dtype_name(q.dtype), dtype_name(k_cache.dtype), n_q, n_kv, M, D):  # fmt: skip
-        staged_mma = mma_staged and cuda_arch() >= STAGED_ARCH
-        plan = plan_decode_mma(B, n_q, n_kv, M, S, D, window, mma_config, staged_mma)
-        partial = _MMA_STAGED.kernel(plan.dynamic_bytes) if staged_mma else _MMA.kernel()
+        use8 = mma8 and n_q // n_kv * M <= MMA8_MAX_ROWS
+        staged_mma = not use8 and mma_staged and cuda_arch() >= STAGED_ARCH
+        plan = plan_decode_mma(B, n_q, n_kv, M, S, D, window, mma_config, staged_mma, use8)
+        partial = _MMA8.kernel() if use8 else _MMA_STAGED.kernel(plan.dynamic_bytes) if staged_mma else _MMA.kernel()
         merge = _MERGE_WIDE.kernel()
     ml, pacc = partial(
         inputs=inputs,
@@ -1479,7 +1703,8 @@ def launch_decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, p
 def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.array,
                      q_positions: mx.array, window: int | None = None, *, n_slots=None,
                      merged: bool = False, counters: mx.array | None = None,
-                     staged: bool = False, mma: bool = False, mma_staged: bool = False) -> mx.array:  # fmt: skip
+                     staged: bool = False, mma: bool = False, mma_staged: bool = False,
+                     mma8: bool = False) -> mx.array:  # fmt: skip
     """Attention of q [B, n_q, M, D] over whole cache buffers [B, n_kv, S, D] -> [B, n_q, M, D], or
     with ``merged`` [B, M, n_q * D] (each row's heads side by side, what the output projection
     reads; at M = 1 the kernel writes that shape directly, without a reshape node).
@@ -1492,17 +1717,21 @@ def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, position
     one launch where ``fused_supported``, and with ``staged`` its form that stages K and V in shared
     memory where ``staged_supported``; elsewhere, with ``mma``, the tensor-core partial kernel where
     ``mma_supported`` and a kv head serves at least MMA_MIN_ROWS query rows (with ``mma_staged``
-    on Hopper its staged form, from MMA_STAGED_MIN_ROWS rows). Pass the cache buffers themselves:
+    on Hopper its staged form, from MMA_STAGED_MIN_ROWS rows; with ``mma8`` g4_attn_decode_mma8 for
+    MMA8_MIN_ROWS..MMA8_MAX_ROWS rows). Pass the cache buffers themselves:
     a non-contiguous slice is copied before a kernel reads it."""
     B, n_q, M, D, n_kv, _ = _check(q, k_cache, v_cache, positions, q_positions, window)
     args = (q, k_cache, v_cache, positions, q_positions, window)
+    rows = n_q // n_kv * M
     mma_staged = mma_staged and cuda_arch() >= STAGED_ARCH
-    mma = mma and n_q // n_kv * M >= (MMA_STAGED_MIN_ROWS if mma_staged else MMA_MIN_ROWS)
+    mma8 = mma8 and rows <= MMA8_MAX_ROWS
+    mma = mma and rows >= (MMA8_MIN_ROWS if mma8 else MMA_STAGED_MIN_ROWS if mma_staged else MMA_MIN_ROWS)
     kernels = not use_reference() and D in KERNEL_HEAD_DIMS and 1 <= M <= MAX_QUERY_ROWS
     if kernels and merged and M == 1:  # [B, n_q, 1, D] and [B, 1, n_q * D] are the same flat rows
         return launch_decode_attention(*args, n_slots, out_shape=(B, 1, n_q * D), counters=counters, staged=staged,
-                                       mma=mma, mma_staged=mma_staged)  # fmt: skip
-    out = (launch_decode_attention(*args, n_slots, counters=counters, staged=staged, mma=mma, mma_staged=mma_staged)
+                                       mma=mma, mma_staged=mma_staged, mma8=mma8)  # fmt: skip
+    out = (launch_decode_attention(*args, n_slots, counters=counters, staged=staged, mma=mma, mma_staged=mma_staged,
+                                   mma8=mma8)
            if kernels
            else decode_attention_reference(*args))  # fmt: skip
     return out.transpose(0, 2, 1, 3).reshape(B, M, n_q * D) if merged else out
@@ -1803,14 +2032,14 @@ def _staged_cases(rng: np.random.Generator):
     ]  # fmt: skip
 
 
-def _mma_case(rng, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, cfg, staged=False):
-    """A case of g4_attn_decode_mma (or with ``staged`` g4_attn_decode_mma_staged): bf16 q and
-    caches, its partition states out."""
+def _mma_case(rng, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, cfg, staged=False, mma8=False):
+    """A case of g4_attn_decode_mma (or with ``staged`` g4_attn_decode_mma_staged, with ``mma8``
+    g4_attn_decode_mma8): bf16 q and caches, its partition states out."""
     from .registry import KernelCase
 
     pr = _problem(rng, "bfloat16", "bfloat16", B, n_q, n_kv, M, D, positions, q_positions, window, n_slots)
     S = len(positions)
-    plan = plan_decode_mma(B, n_q, n_kv, M, S, D, window, cfg, staged)
+    plan = plan_decode_mma(B, n_q, n_kv, M, S, D, window, cfg, staged, mma8)
     ml, acc = partials_f64(pr.q64, pr.k64, pr.v64, pr.positions, pr.q_positions, window, n_slots, plan.parts,
                            cfg.min_chunk, cfg.tile)  # fmt: skip
     inputs = {"q": pr.q, "k": pr.k, "v": pr.v, "kpos": pr.positions, "qpos": pr.q_positions,
@@ -1822,7 +2051,7 @@ def _mma_case(rng, B, n_q, n_kv, M, D, positions, q_positions, window, n_slots, 
         # p enters the value mma as bf16 hi + lo (~2^-16 relative) and the tensor cores add in f32 in
         # their own order: errors ~1e-5 on sums of up to a hundred p v terms with |v| ~ 1
         rtol=1e-4, atol=5e-5, input_dtypes=pr.in_dtypes,
-        label=f"mma{' staged' if staged else ''} B={B} n_q={n_q} n_kv={n_kv} M={M} D={D} S={S} W={window} "
+        label=f"mma{' staged' if staged else '8' if mma8 else ''} B={B} n_q={n_q} n_kv={n_kv} M={M} D={D} S={S} W={window} "
               f"n_slots={n_slots} P={plan.parts} "
               f"warps={cfg.simd_groups} cmin={cfg.min_chunk}",
     )  # fmt: skip
@@ -1867,6 +2096,30 @@ def _mma_staged_cases(rng: np.random.Generator):
     ]  # fmt: skip
 
 
+def _mma8_cases(rng: np.random.Generator):
+    """g4_attn_decode_mma8 at the shapes it serves (31B / 26B-A4B full: 8 rows at D = 512, E4B full:
+    4; a sliding layer's 2 query heads per kv head at D = 256, with 4 tokens) and its edges: 3 rows (5 padding columns), M = 2 and 4 (causal
+    inside the tile), a ring with a window and empty slots, two sequences, a short last tile and an
+    idle partition, a slot past the queries, partitions of 6 tiles (the exchange's two buffers in turn)."""
+    c = AttentionConfig
+    full = np.where(np.arange(200) < 150, np.arange(200), -1).astype(np.int32)
+    return [
+        # 31B full layer (G = 8, 4 kv heads): partitions of 64 + 64 + 22 slots, capacity past n_slots
+        _mma_case(rng, 1, 32, 4, 1, 512, full, [149], None, 150, c(simd_groups=8, min_chunk=64, target_groups=12), mma8=True),
+        # E4B full (G = 4), 4 warps of 128 dims, 4 partitions of 32 (the last idle)
+        _mma_case(rng, 1, 8, 2, 1, 512, np.arange(100), [89], None, 90, c(simd_groups=4, min_chunk=32, target_groups=8), mma8=True),
+        # sliding ring (G = 2, D = 256) with a window and empty slots, M = 4 (8 rows)
+        _mma_case(rng, 1, 4, 2, 4, 256, _ring(96, 100, 195, empty=(5, 40)), [192, 193, 194, 195], 64, 96,
+                  c(simd_groups=4, min_chunk=32, target_groups=6), mma8=True),
+        # two sequences, G = 3 (3 rows), 2 warps of 128 dims, a slot past the queries
+        _mma_case(rng, 2, 6, 2, 1, 256, _ring(70, 0, 60, future=(65,)), [60], None, 70,
+                  c(simd_groups=2, min_chunk=64, target_groups=4), mma8=True),
+        # G = 4, M = 2 (8 rows), one partition of 6 tiles
+        _mma_case(rng, 1, 8, 2, 2, 512, np.arange(200), [189, 190], None, 191,
+                  c(simd_groups=8, min_chunk=192, target_groups=2), mma8=True),
+    ]  # fmt: skip
+
+
 def _merge_wide_cases(rng: np.random.Generator):
     """g4_attn_decode_merge_wide on the tensor-core kernel's plans: more active partitions than
     8 warps x 8 loads (a second round), an idle partition, D = 256 and 512, two sequences, a row of
@@ -1898,14 +2151,14 @@ def _merge_wide_cases(rng: np.random.Generator):
 
 def kernel_specs():
     """KernelSpec of the decode-attention kernels, with small emulator cases (odd tails included);
-    g4_attn_decode, g4_attn_decode_staged, g4_attn_decode_mma(_staged) and g4_attn_decode_merge_wide
-    are CUDA only (an empty Metal text)."""
+    g4_attn_decode, g4_attn_decode_staged, g4_attn_decode_mma(_staged), g4_attn_decode_mma8 and
+    g4_attn_decode_merge_wide are CUDA only (an empty Metal text)."""
     from .registry import KernelSpec
 
     specs = []
     for kdef, cases in ((_PARTIAL, _partial_cases), (_MERGE, _merge_cases), (_FUSED, _fused_cases),
                         (_STAGED, _staged_cases), (_MMA, _mma_cases), (_MERGE_WIDE, _merge_wide_cases),
-                        (_MMA_STAGED, _mma_staged_cases)):
+                        (_MMA_STAGED, _mma_staged_cases), (_MMA8, _mma8_cases)):
         (mh, ms), (ch, cs) = kdef.text["metal"], kdef.text["cuda"]
         specs.append(KernelSpec(kdef.name, kdef.input_names, kdef.output_names, mh, ms, ch, cs, cases))
     return specs

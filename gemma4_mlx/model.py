@@ -206,7 +206,8 @@ class Attention(nn.Module):
             counters = self._counters if use_kernel("attention_fused") else None  # one launch where it pays
             out = decode_attention(q, keys, values, positions, q_pos, s.sliding_window, n_slots=n_slots,
                                    merged=True, counters=counters, staged=use_kernel("attention_staged"),
-                                   mma=use_kernel("attention_mma"), mma_staged=use_kernel("attention_mma_staged"))  # fmt: skip
+                                   mma=use_kernel("attention_mma"), mma_staged=use_kernel("attention_mma_staged"),
+                                   mma8=use_kernel("attention_mma8"))  # fmt: skip
         else:
             out = _merge_heads(mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0,
                                                                     mask=mask_fn(s, positions)))  # fmt: skip

@@ -538,6 +538,25 @@ def test_mma_kernel_text():
     assert at._mma_staged_body().count("g4_bulk_copy(") == 2 and "fence.proxy.async" in staged.cuda_source
 
 
+def test_mma8_kernel_text_and_plan():
+    """g4_attn_decode_mma8 is CUDA only, registered with cases (pending its GPU run), one barrier a
+    tile, the query rows as the mma's 8 columns; its plan takes 8 rows at most, unstaged, with the
+    [row][slot] score exchange (20 KB at 8 warps)."""
+    spec = {s.name: s for s in all_kernel_specs()}["g4_attn_decode_mma8"]
+    assert not spec.metal_source and spec.output_names == ("ml", "pacc")
+    cases = spec.cases(np.random.default_rng(0))
+    assert len(cases) == 5 and all(dict(c.template)["G"] * dict(c.template)["M"] <= 8 for c in cases)
+    assert spec.cuda_source.count("__syncthreads()") == 1 and spec.cuda_source.count("g4_attn_split(") == 2
+    assert "s_part[2][NW][8][SP]" in spec.cuda_source
+    p = at.plan_decode_mma(1, 32, 4, 1, 32768, 512, None, mma8=True)  # 31B full at 32K
+    assert p.shared_bytes == 2 * 8 * 8 * 40 * 4 and p.dynamic_bytes == 0
+    assert p.partial_template == at.plan_decode_mma(1, 32, 4, 1, 32768, 512, None).partial_template
+    with pytest.raises(ValueError, match="at most 8"):
+        at.plan_decode_mma(1, 16, 1, 1, 128, 512, None, mma8=True)
+    with pytest.raises(ValueError, match="unstaged"):
+        at.plan_decode_mma(1, 32, 4, 1, 128, 512, None, staged=True, mma8=True)
+
+
 def test_mma_rule_in_decode_attention(monkeypatch):
     """decode_attention hands ``mma`` on only where a kv head serves at least MMA_MIN_ROWS query rows
     (the 31B / 26B-A4B / 12B full layers at one token; not E4B's 4 rows, nor the sliding layers' 2)."""
@@ -563,6 +582,15 @@ def test_mma_rule_in_decode_attention(monkeypatch):
     at.decode_attention(mx.zeros((1, 32, 1, 512), mx.bfloat16), kv, kv, mx.arange(64), mx.arange(1), None,
                         mma=True, mma_staged=True)  # fmt: skip
     assert seen.pop() is False  # the sliding layers' 2 rows
+    # mma8: 4..8 rows take g4_attn_decode_mma8; 16 rows the 16-row kernel; 2 rows neither
+    made = []
+    monkeypatch.setattr(at, "launch_decode_attention", lambda *a, mma=False, mma8=False, **k: made.append((mma, mma8)))
+    for n_q, n_kv, M, want in ((32, 4, 1, (True, True)), (8, 2, 1, (True, True)), (16, 1, 1, (True, False)),
+                               (32, 16, 1, (False, True)), (4, 2, 2, (True, True))):  # fmt: skip
+        kv = mx.zeros((1, n_kv, 64, 512), mx.bfloat16)
+        at.decode_attention(mx.zeros((1, n_q, M, 512), mx.bfloat16), kv, kv, mx.arange(64), mx.arange(M), None,
+                            mma=True, mma8=True)  # fmt: skip
+        assert made.pop() == want, (n_q, n_kv, M)
 
 
 def test_mma_launch_plumbing(monkeypatch):
@@ -592,7 +620,7 @@ def test_mma_launch_plumbing(monkeypatch):
         for staged in (False, True):
             calls.clear()
             out = at.launch_decode_attention(q, kv, kv, mx.arange(256), mx.array([200]), None, n_slots=201, mma=True,
-                                             mma_staged=staged)  # fmt: skip
+                                             mma_staged=staged, mma8=True)  # fmt: skip (16 rows: mma8 does not apply)
             assert out.shape == (1, 16, 1, 512) and out.dtype == mx.bfloat16 and (np.array(out.astype(mx.float32)) == 1).all()
             name = "g4_attn_decode_mma_staged" if staged else "g4_attn_decode_mma"
             plan = at.plan_decode_mma(1, 16, 1, 1, 256, 512, None, staged=staged)
@@ -601,5 +629,14 @@ def test_mma_launch_plumbing(monkeypatch):
                                     plan.partial_threadgroup)  # fmt: skip
             assert calls[1][2:] == (plan.merge_grid, plan.merge_threadgroup)
             assert made[name] == plan.dynamic_bytes == (at.mma_staged_shared_bytes(512, 2, 16) if staged else 0)
+        # 8 rows per kv head with mma8 (staged asked for too): the transposed kernel, then the wide merge
+        calls.clear()
+        q8, kv8 = mx.zeros((1, 32, 1, 512), mx.bfloat16), mx.zeros((1, 4, 256, 512), mx.bfloat16)
+        out = at.launch_decode_attention(q8, kv8, kv8, mx.arange(256), mx.array([200]), None, n_slots=201, mma=True,
+                                         mma_staged=True, mma8=True)  # fmt: skip
+        plan = at.plan_decode_mma(1, 32, 4, 1, 256, 512, None, mma8=True)
+        assert out.shape == (1, 32, 1, 512) and [c[0] for c in calls] == ["g4_attn_decode_mma8", "g4_attn_decode_merge_wide"]
+        assert calls[0][1:] == (dict(template_args(plan.partial_template)), plan.partial_grid, plan.partial_threadgroup)
+        assert made["g4_attn_decode_mma8"] == 0
     finally:
         custom_kernels.clear_kernel_cache()

@@ -293,25 +293,30 @@ MMA_SHAPES = [s for s in SHAPES if s[1] // s[2] <= at.MMA_MAX_ROWS]
 @pytest.mark.skipif(custom_kernels.backend() != "cuda" or custom_kernels.cuda_arch() < at.MMA_ARCH,
                     reason="g4_attn_decode_mma needs CUDA sm_80+")  # fmt: skip
 @pytest.mark.parametrize("name, n_q, n_kv, D, layout", MMA_SHAPES, ids=[s[0] for s in MMA_SHAPES])
-@pytest.mark.parametrize("staged", [False, True], ids=["mma", "mma_staged"])
-def test_mma_kernel_matches_oracle(name, n_q, n_kv, D, layout, staged):
-    """g4_attn_decode_mma (family "attention_mma"), and its staged form g4_attn_decode_mma_staged
-    (family "attention_mma_staged", Hopper; the same bits), at the real layer shapes, bf16: every M up to 16
-    query rows per kv head, the default geometry and one with other warps and uneven partitions,
-    poisoned outputs and NaN in every slot no query may attend; within the oracle's bound; a second
-    launch bit-identical; inputs 8 bytes off 16-byte alignment (the 2-byte loads) the same bits."""
+@pytest.mark.parametrize("variant", ["mma", "mma_staged", "mma8"])
+def test_mma_kernel_matches_oracle(name, n_q, n_kv, D, layout, variant):
+    """g4_attn_decode_mma (family "attention_mma"), its staged form g4_attn_decode_mma_staged
+    (family "attention_mma_staged", Hopper; the same bits) and g4_attn_decode_mma8 (family
+    "attention_mma8", up to 8 rows) at the real layer shapes, bf16: every M up to 16 (8) query rows
+    per kv head, the default geometry and one with other warps and uneven partitions, poisoned
+    outputs and NaN in every slot no query may attend; within the oracle's bound; a second launch
+    bit-identical; inputs 8 bytes off 16-byte alignment (the 2-byte loads) the same bits."""
+    staged, mma8 = variant == "mma_staged", variant == "mma8"
     if staged and custom_kernels.cuda_arch() < at.STAGED_ARCH:
         pytest.skip("the staged form needs Hopper (bulk copies)")
-    rng = np.random.default_rng(zlib.crc32(name.encode()) + 27)
     G = n_q // n_kv
+    if mma8 and G > at.MMA8_MAX_ROWS:
+        pytest.skip(f"{G} query heads per kv head: more than g4_attn_decode_mma8's {at.MMA8_MAX_ROWS} rows")
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + 27)
     other = at.AttentionConfig(rows=16, simd_groups=max(1, D // 128), tile=32, min_chunk=32, target_groups=37)
-    for M in [m for m in (1, 2, 4, 8) if G * m <= at.MMA_MAX_ROWS]:
+    max_rows = at.MMA8_MAX_ROWS if mma8 else at.MMA_MAX_ROWS
+    for M in [m for m in (1, 2, 4, 8) if G * m <= max_rows]:
         pos, qpos, window, n_slots = _layout(name, layout, M)
         args, want, bound = _problem(rng, 1, n_q, n_kv, M, D, pos, qpos, window, mx.bfloat16, n_slots)
         assert at.mma_supported("bfloat16", "bfloat16", n_q, n_kv, M, D)
         for config in (None, other):
             run = lambda a: at.launch_decode_attention(*a, window, n_slots=n_slots, init_value=NAN, mma=True,  # noqa: E731
-                                                       mma_config=config, mma_staged=staged)  # fmt: skip
+                                                       mma_config=config, mma_staged=staged, mma8=mma8)  # fmt: skip
             out = run(args)
             what = f"{name} M={M} {config or 'default'}"
             assert out.shape == (1, n_q, M, D) and out.dtype == mx.bfloat16
@@ -350,33 +355,40 @@ def test_mma_kernel_long_context_and_empty():
 
 @pytest.mark.skipif(custom_kernels.backend() != "cuda" or custom_kernels.cuda_arch() < at.MMA_ARCH,
                     reason="g4_attn_decode_mma needs CUDA sm_80+")  # fmt: skip
-def test_mma_kernel_in_the_compiled_step(monkeypatch):
+@pytest.mark.parametrize("variant, full_kv_heads", [("mma", 1), ("mma", 2), ("mma_staged", 1), ("mma8", 2)])
+def test_mma_kernel_in_the_compiled_step(monkeypatch, variant, full_kv_heads):
     """A bf16 model with 12B's attention geometry (sliding layers D = 256, 16 query on 8 kv heads;
-    a full layer D = 512, 16 query heads on one kv head, K = V) and random weights: the compiled
-    decode step with family attention_mma (the full layer through g4_attn_decode_mma and the wide
-    merge, 4 partitions of its 256-slot capacity) gives the default step's logits, teacher-forced
-    over 48 tokens after a 40-token prompt, within bf16 rounding, and the same greedy token wherever
-    the top two logits are further apart than the largest difference."""
+    a full layer D = 512, 16 query heads on one kv head, K = V; or on two: 8 rows per kv head, as
+    31B's and 26B-A4B's) and random weights: the compiled decode step with the full layer on tensor
+    cores (family attention_mma, the default: g4_attn_decode_mma; with attention_mma_staged its
+    staged form, with attention_mma8 g4_attn_decode_mma8; then the wide merge over the partitions of
+    its 256-slot capacity) gives the step's logits with the f32-FMA kernels (attention_mma off),
+    teacher-forced over 48 tokens after a 40-token prompt, within bf16 rounding, and the same greedy
+    token wherever the top two logits are further apart than the largest difference."""
     from gemma4_mlx.cache import make_cache
     from gemma4_mlx.compiled_step import CompiledDecoder
     from gemma4_mlx.config import FULL, SLIDING, ModelConfig
     from gemma4_mlx.model import Model
 
+    if variant == "mma_staged" and custom_kernels.cuda_arch() < at.STAGED_ARCH:
+        pytest.skip("the staged form needs Hopper (bulk copies)")
     cfg = ModelConfig(hidden_size=512, num_hidden_layers=4, intermediate_size=1024, num_attention_heads=16,
-                      num_key_value_heads=8, num_global_key_value_heads=1, attention_k_eq_v=True,
+                      num_key_value_heads=8, num_global_key_value_heads=full_kv_heads, attention_k_eq_v=True,
                       layer_types=[SLIDING, SLIDING, SLIDING, FULL], vocab_size=1024, head_dim=256,
                       global_head_dim=512, sliding_window=32, max_position_embeddings=4096)  # fmt: skip
     mx.random.seed(27)
     model = Model(cfg)
     model.set_dtype(mx.bfloat16)
     ids = mx.array(np.random.default_rng(27).integers(0, cfg.vocab_size, 88, dtype=np.int32))
-    assert at.mma_supported("bfloat16", "bfloat16", 16, 1, 1, 512)
+    assert at.mma_supported("bfloat16", "bfloat16", 16, full_kv_heads, 1, 512)
 
-    def logits(mma: bool) -> np.ndarray:
-        if mma:
-            monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "attention_mma")
-        else:
-            monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
+    def logits(on: bool) -> np.ndarray:
+        monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
+        monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
+        if not on:
+            monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "attention_mma")
+        elif variant != "mma":
+            monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "attention_" + variant)
         cache = make_cache(cfg)
         mx.eval(model(ids[None, :40], cache))
         decoder = CompiledDecoder(model, cache, capacity=256)
@@ -384,6 +396,7 @@ def test_mma_kernel_in_the_compiled_step(monkeypatch):
 
     base, mma = logits(False), logits(True)
     diff = np.abs(mma - base).max()
+    assert diff > 0, "the two steps gave the same bits: the tensor-core path was not taken"
     assert diff <= 2**-6 * np.abs(base).max(), f"logits differ by {diff:.3g} (max |logit| {np.abs(base).max():.3g})"
     top2 = np.sort(base, axis=-1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 2 * diff
