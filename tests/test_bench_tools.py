@@ -88,6 +88,7 @@ _FAKE_SANITIZER = """#!/usr/bin/env bash
 # stand-in for compute-sanitizer: report the planted write, else say what pytest was asked to run
 for a in "$@"; do case "$a" in *planted_oob.py) echo "========= Invalid __global__ write of size 4 bytes"; exit 0;; esac; done
 echo "ran: ${@: -1}"
+echo "asked: $*"
 case "${@: -1}" in *bad*) echo "========= Invalid __global__ read of size 4 bytes"; echo "========= ERROR SUMMARY: 1 error"; exit 9;; esac
 echo "========= ERROR SUMMARY: 0 errors"; echo "1 passed"
 """
@@ -114,6 +115,22 @@ def test_memcheck_takes_files_and_node_ids(tmp_path):
     fake.write_text("#!/usr/bin/env bash\necho '========= ERROR SUMMARY: 0 errors'\n")
     r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 2 and "did not report the planted write" in r.stdout
+
+
+def test_memcheck_runs_other_tools_over_selected_tests(tmp_path):
+    """TOOLS runs each compute-sanitizer tool in turn over every file, PYTEST_K selects tests."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(_FAKE_SANITIZER)
+    fake.chmod(0o755)
+    env = {**os.environ, "COMPUTE_SANITIZER": str(fake), "TOOLS": "memcheck racecheck", "PYTEST_K": "mma8 or wide"}
+    args = ["bash", str(ROOT / "bench/tools/memcheck.sh"), "30", "tests/test_registry_cases_gpu.py"]
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60, check=False)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0, r.stdout
+    assert "tests/test_registry_cases_gpu.py: rc 0; ========= ERROR SUMMARY: 0 errors; 1 passed" in lines
+    assert "tests/test_registry_cases_gpu.py (racecheck): rc 0; ========= ERROR SUMMARY: 0 errors; 1 passed" in lines
+    asked = Path("/tmp/racecheck-test_registry_cases_gpu.txt").read_text()
+    assert "--tool racecheck" in asked and "-k mma8 or wide tests/test_registry_cases_gpu.py" in asked
 
 
 def test_dynamic_smem_probe_needs_cuda():

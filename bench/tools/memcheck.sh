@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck over the kernel-level GPU tests, on a CUDA machine with MLX's CUDA wheel.
 #   bash bench/tools/memcheck.sh [seconds per test file, default 240] [test files or node ids ...] > memcheck.txt
-# (PYTHON: the interpreter, default python3)
+# (PYTHON: the interpreter, default python3; TOOLS: the compute-sanitizer tools to run in turn over
+# each file, default memcheck, e.g. "memcheck racecheck synccheck" for a kernel with barriers or
+# tickets; PYTEST_K: a pytest -k expression, e.g. TOOLS="memcheck racecheck synccheck"
+# PYTEST_K=mma8 bash bench/tools/memcheck.sh 150 tests/test_registry_cases_gpu.py for one kernel's
+# registry cases, seconds each under the tools)
 # First a planted out-of-bounds kernel, which memcheck must report; then each kernel test file in its
 # own process (no pytest-xdist, so every kernel runs in the process the tool instruments).
 # Limit: MLX's CUDA allocator rounds buffers up (powers of two below 16 KiB, whole 16 KiB pages
@@ -27,14 +31,20 @@ status=0
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/test_registry_cases_gpu.py tests/test_norm_gpu.py tests/test_kernels_gpu.py
   tests/test_attention_gpu.py tests/test_rope_gpu.py tests/test_router_gpu.py tests/test_sampling_kernels_gpu.py)
-for f in "${files[@]}"; do
-  log=/tmp/memcheck-$(basename "${f%%::*}" .py)${f#"${f%%::*}"}.txt  # a node id (file::test) keeps its test name
-  log=${log//::/-}
-  MLX_ENABLE_TF32=0 timeout "$limit" "$CS" --tool memcheck --print-limit 20 --error-exitcode 9 \
-    "${PYTHON:-python3}" -m pytest -m gpu -p no:cacheprovider -p no:benchmark -q "$f" > "$log" 2>&1
-  rc=$?
-  echo "$f: rc $rc; $(grep "ERROR SUMMARY" "$log" | tail -1); $(tail -1 "$log")"
-  grep -E "^========= (Invalid|Program hit)" "$log" | sort | uniq -c | head -10
-  [ "$rc" = 0 ] || status=1
+kargs=()
+[ -z "${PYTEST_K:-}" ] || kargs=(-k "$PYTEST_K")
+for tool in ${TOOLS:-memcheck}; do
+  for f in "${files[@]}"; do
+    log=/tmp/$tool-$(basename "${f%%::*}" .py)${f#"${f%%::*}"}.txt  # a node id (file::test) keeps its test name
+    log=${log//::/-}
+    MLX_ENABLE_TF32=0 timeout "$limit" "$CS" --tool "$tool" --print-limit 20 --error-exitcode 9 \
+      "${PYTHON:-python3}" -m pytest -m gpu -p no:cacheprovider -p no:benchmark -q "${kargs[@]}" "$f" > "$log" 2>&1
+    rc=$?
+    label=$f
+    [ "$tool" = memcheck ] || label="$f ($tool)"
+    echo "$label: rc $rc; $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -1); $(tail -1 "$log")"
+    grep -E "^========= (Invalid|Program hit|Race|Error|Barrier)" "$log" | sort | uniq -c | head -10
+    [ "$rc" = 0 ] || status=1
+  done
 done
 exit $status
