@@ -750,6 +750,32 @@ __device__ __forceinline__ void g4_attn_split(float x, float y, uint32_t& hi, ui
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 """
+# Shared by the tensor-core kernels' texts: the partition of this block (an idle one returns),
+# the query positions' range, and each warp's K / V bases.
+_MMA_PARTITION = r"""
+  const int bh = blockIdx.x;
+  const int part = blockIdx.y;
+  const int nparts = gridDim.y;
+  const int S = k_shape[2];
+  const int nslots = n_slots[0] < 0 ? 0 : (n_slots[0] > S ? S : n_slots[0]);
+  const int chunk = g4_attn_chunk(nslots, nparts, CMIN, TS);
+  const int start = part * chunk;
+  if (start >= nslots) return;  // an idle partition (the whole block): the merge skips it
+  const int end = start + chunk < nslots ? start + chunk : nslots;
+  int qmin = qpos[0];
+  int qmax = qpos[0];
+  for (int m = 1; m < M; ++m) {
+    qmin = qpos[m] < qmin ? qpos[m] : qmin;
+    qmax = qpos[m] > qmax ? qpos[m] : qmax;
+  }
+""".lstrip("\n")
+_MMA_KV_BASES = r"""
+  const int d0 = w * DW;
+  const bool aligned = ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) |
+                         reinterpret_cast<uintptr_t>(v)) & 15u) == 0;
+  const __nv_bfloat16* kbase = k + (size_t)bh * S * D + d0;
+  const __nv_bfloat16* vbase = v + (size_t)bh * S * D + d0;
+""".lstrip("\n")
 _MMA_BODY = r"""
   // gemma4-mlx attn_decode_mma: split-GQA decode attention over one sequence partition, on tensor cores
   constexpr int QR = G * M;     // query rows of the kv head: mma rows 0..QR-1 (the rest are zeros)
@@ -766,30 +792,10 @@ _MMA_BODY = r"""
   const int w = tid >> 5;
   const int g = lane >> 2;  // fragment row (and row + 8), score slot, value dim
   const int t = lane & 3;
-  const int bh = blockIdx.x;
-  const int part = blockIdx.y;
-  const int nparts = gridDim.y;
-  const int S = k_shape[2];
-  const int nslots = n_slots[0] < 0 ? 0 : (n_slots[0] > S ? S : n_slots[0]);
-  const int chunk = g4_attn_chunk(nslots, nparts, CMIN, TS);
-  const int start = part * chunk;
-  if (start >= nslots) return;  // an idle partition (the whole block): the merge skips it
-  const int end = start + chunk < nslots ? start + chunk : nslots;
-  int qmin = qpos[0];
-  int qmax = qpos[0];
-  for (int m = 1; m < M; ++m) {
-    qmin = qpos[m] < qmin ? qpos[m] : qmin;
-    qmax = qpos[m] > qmax ? qpos[m] : qmax;
-  }
-  int qp[2];  // positions of rows g and g + 8 (-1: a padding row, attends nothing)
+""" + _MMA_PARTITION + r"""  int qp[2];  // positions of rows g and g + 8 (-1: a padding row, attends nothing)
   qp[0] = g < QR ? qpos[g % M] : -1;
   qp[1] = g + 8 < QR ? qpos[(g + 8) % M] : -1;
-  const int d0 = w * DW;
-  const bool aligned = ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) |
-                         reinterpret_cast<uintptr_t>(v)) & 15u) == 0;
-  const __nv_bfloat16* kbase = k + (size_t)bh * S * D + d0;
-  const __nv_bfloat16* vbase = v + (size_t)bh * S * D + d0;
-  uint4 qf[KB][2];  // rows g, g + 8: dims d0 + 32 kb + 8t .. + 7
+""" + _MMA_KV_BASES + r"""  uint4 qf[KB][2];  // rows g, g + 8: dims d0 + 32 kb + 8t .. + 7
   _Pragma("unroll") for (int kb = 0; kb < KB; ++kb) {
     _Pragma("unroll") for (int h = 0; h < 2; ++h) {
       const int r = g + 8 * h;
@@ -1066,28 +1072,8 @@ _MMA8_BODY = r"""
   const int w = tid >> 5;
   const int g = lane >> 2;  // score slot (and slot + 8), query row of the value product, value dims 8g..8g+7
   const int t = lane & 3;   // query rows 2t, 2t + 1 of the products' outputs
-  const int bh = blockIdx.x;
-  const int part = blockIdx.y;
-  const int nparts = gridDim.y;
-  const int S = k_shape[2];
-  const int nslots = n_slots[0] < 0 ? 0 : (n_slots[0] > S ? S : n_slots[0]);
-  const int chunk = g4_attn_chunk(nslots, nparts, CMIN, TS);
-  const int start = part * chunk;
-  if (start >= nslots) return;  // an idle partition (the whole block): the merge skips it
-  const int end = start + chunk < nslots ? start + chunk : nslots;
-  int qmin = qpos[0];
-  int qmax = qpos[0];
-  for (int m = 1; m < M; ++m) {
-    qmin = qpos[m] < qmin ? qpos[m] : qmin;
-    qmax = qpos[m] > qmax ? qpos[m] : qmax;
-  }
-  const int qg = g < QR ? qpos[g % M] : -1;  // position of row g (-1: a padding row, attends nothing)
-  const int d0 = w * DW;
-  const bool aligned = ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) |
-                         reinterpret_cast<uintptr_t>(v)) & 15u) == 0;
-  const __nv_bfloat16* kbase = k + (size_t)bh * S * D + d0;
-  const __nv_bfloat16* vbase = v + (size_t)bh * S * D + d0;
-  uint4 qf[KB];  // row g: dims d0 + 32 kb + 8t .. + 7 (the score product's B operand)
+""" + _MMA_PARTITION + r"""  const int qg = g < QR ? qpos[g % M] : -1;  // position of row g (-1: a padding row, attends nothing)
+""" + _MMA_KV_BASES + r"""  uint4 qf[KB];  // row g: dims d0 + 32 kb + 8t .. + 7 (the score product's B operand)
   _Pragma("unroll") for (int kb = 0; kb < KB; ++kb) {
     qf[kb] = g < QR ? g4_attn_ld16(q + ((size_t)bh * QR + g) * D + d0 + 32 * kb + 8 * t, aligned)
                     : make_uint4(0u, 0u, 0u, 0u);
