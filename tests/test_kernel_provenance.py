@@ -72,3 +72,20 @@ def test_families_turned_off_and_misspelt(monkeypatch):
     monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "router-proj")
     with pytest.raises(ValueError, match="GEMMA4_MLX_UNPROVEN_KERNELS: unknown kernel families"):
         custom_kernels.use_kernel("norm")
+
+
+def test_readme_lists_every_family():
+    """README's kernel-families table has a row per family, with its default as the code has it."""
+    import re
+
+    readme = (Path(custom_kernels.__file__).parent.parent / "README.md").read_text()
+    section = readme.split("### Kernel families", 1)[1].split("\n### ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"\| (`[a-z0-9_]+`(?: \+ `[a-z0-9_]+`)*) \| (yes|CUDA|no) \|", line)
+        if m:
+            for name in re.findall(r"`([a-z0-9_]+)`", m.group(1)):
+                rows[name] = m.group(2)
+    want = {f: "no" if f in custom_kernels.OPT_IN else "CUDA" if f in custom_kernels.CUDA_ONLY else "yes"
+            for f in custom_kernels.FAMILIES}  # fmt: skip
+    assert rows == want
