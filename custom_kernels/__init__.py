@@ -127,9 +127,10 @@ OPT_IN = frozenset({"matvec_norm", "attention_staged", "attention_mma_staged", "
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
 "attention_mma8" (decode attention on tensor cores for 4..8 query rows per kv head with the products
 transposed, slots and head dims as the mma's 16 rows and the query rows its 8 columns, so no
-padding rows: custom_kernels.attention's g4_attn_decode_mma8, CUDA sm_80+; 102 registers at 31B's
-full layer against g4_attn_decode_mma's 138, so two 256-thread blocks per SM): written in session
-28 after the device time ran out, not yet run on a GPU (pending);
+padding rows: custom_kernels.attention's g4_attn_decode_mma8, CUDA sm_80+; half the mmas, 867
+instructions per 32-slot tile against 1,145 at 31B's full layer, and at E4B's 102 registers
+against 138, so two 256-thread blocks per SM there): written in session 28 after the device time
+ran out, not yet run on a GPU (pending);
 "attention_mma_staged" (attention_mma's partial kernel with each tile's K and V rows bulk-copied into
 shared memory a tile ahead, custom_kernels.attention's g4_attn_decode_mma_staged, CUDA on Hopper):
 its registry cases passed on the H200 under compute-sanitizer in session 28, where it cut the

@@ -1043,8 +1043,8 @@ MMA_ARCH = 80
 # The tensor-core kernel for at most 8 query rows per kv head (family "attention_mma8", CUDA
 # sm_80+, opt-in; session 28, not yet run on a GPU). With 8 rows or fewer (31B's and 26B-A4B's full
 # layers: 8, E4B's: 4, the sliding layers: 2) g4_attn_decode_mma's 16 mma rows are half padding:
-# its value accumulators hold 8 zero rows and it needs 138 registers at 31B's shape, so one
-# 256-thread block per SM. Here the products are transposed: the slots (scores) and head dims
+# half its value mmas and accumulators are zero rows (at E4B's 4 rows it needs 138 registers: one
+# 256-thread block per SM). Here the products are transposed: the slots (scores) and head dims
 # (values) are the mma's 16 rows and the query rows its 8 columns:
 #  - scores S^T = K Q^T per 16 slots (K rows as the A operand, the same permuted 32-dim blocks as
 #    g4_attn_decode_mma), summed across the warps through shared memory stored as [row][slot], so

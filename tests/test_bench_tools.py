@@ -139,6 +139,19 @@ def test_dynamic_smem_probe_needs_cuda():
     assert r.returncode == 2 and "needs MLX's CUDA backend" in r.stdout
 
 
+def test_kernel_sass_attention_instances():
+    """--family attention: g4_attn_decode_mma at the layer's default plan, and g4_attn_decode_mma8
+    where the layer has at most 8 query rows per kv head."""
+    sys.path.insert(0, str(ROOT / "bench" / "tools"))
+    import kernel_sass
+
+    units = kernel_sass.attention_instances(32, 4, 512)  # 31B full
+    assert [(spec.name, list(inst)) for spec, inst in units] == [("g4_attn_decode_mma", ["k_mma"]),
+                                                                 ("g4_attn_decode_mma8", ["k_mma8"])]  # fmt: skip
+    assert dict(units[1][1]["k_mma8"])["G"] == 8
+    assert [spec.name for spec, _ in kernel_sass.attention_instances(16, 1, 512)] == ["g4_attn_decode_mma"]  # 12B
+
+
 def test_kernel_sass_counts_mma_loops():
     sys.path.insert(0, str(ROOT / "bench" / "tools"))
     import kernel_sass

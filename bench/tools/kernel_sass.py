@@ -1,14 +1,17 @@
-"""Static SASS of the one-launch MoE expert kernel or the tiles kernels, without a GPU: registers and
-instructions per block step (16 rows x 32 weights: two mma.sync) of each loop that holds mma
-instructions (--ops: and the loop's opcode counts).
+"""Static SASS of the one-launch MoE expert kernel, the tiles kernels or the tensor-core decode
+attention, without a GPU: registers and instructions per block step (16 rows x 32 weights: two
+mma.sync; attention: per 32-slot tile) of each loop that holds mma instructions (--ops: and the
+loop's opcode counts).
 
     python bench/tools/kernel_sass.py [--cuobjdump PATH] [--slots 8 --f 704 --h 2816]
     python bench/tools/kernel_sass.py --family tiles [--kind gate_up --n 21504 --k 5376] [--ops]
+    python bench/tools/kernel_sass.py --family attention [--n-q 32 --n-kv 4 --head-dim 512] [--ops]
 
 The kernel text is wrapped as MLX wraps a custom kernel (tests/test_metal_compile.py's cuda_text
 harness), instantiated for each geometry of bench/kernels.py's MOE_VARIANTS at the given shapes
-(default 26B-A4B's) or for the tiles kernel's default config with bias 0 and 1 (default: the 31B
-gate|up), compiled by the local nvcc for sm_90 and disassembled by cuobjdump (not in
+(default 26B-A4B's), for the tiles kernel's default config with bias 0 and 1 (default: the 31B
+gate|up), or for g4_attn_decode_mma and g4_attn_decode_mma8 at their default geometries (default:
+31B's full layer at one token; mma8 where the layer has at most 8 rows per kv head), compiled by the local nvcc for sm_90 and disassembled by cuobjdump (not in
 nvcc's minimal install: `pip download --no-deps nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` have
 cuobjdump and the nvdisasm it calls under nvidia/cu13/bin; put that folder on PATH).
 The kernels are bound by their instructions' latency (bench/NOTES.md, sessions 19-20), so instructions
@@ -75,6 +78,18 @@ def tiles_instances(kind: str, n: int, k: int):
                   for b in (0, 1)}  # fmt: skip
 
 
+def attention_instances(n_q: int, n_kv: int, head_dim: int):
+    """[(spec, {name: template})] of the tensor-core decode-attention kernels at a layer's shape."""
+    from custom_kernels import attention as at
+
+    specs = {s.name: s for s in at.kernel_specs()}
+    out = [(specs["g4_attn_decode_mma"], {"k_mma": at.plan_decode_mma(1, n_q, n_kv, 1, 32768, head_dim, None).partial_template})]
+    if n_q // n_kv <= at.MMA8_MAX_ROWS:
+        plan = at.plan_decode_mma(1, n_q, n_kv, 1, 32768, head_dim, None, mma8=True)
+        out.append((specs["g4_attn_decode_mma8"], {"k_mma8": plan.partial_template}))
+    return out
+
+
 def mma_loops(sass: str, names) -> dict[str, list[list[str]]]:
     """Per kernel name: the instructions of each loop (a backward branch's body) that holds HMMA."""
     out = {}
@@ -103,24 +118,42 @@ def opcode_counts(body: list[str]) -> dict[str, int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump"), help="cuobjdump binary")
-    ap.add_argument("--family", choices=("moe", "tiles"), default="moe")
+    ap.add_argument("--family", choices=("moe", "tiles", "attention"), default="moe")
     ap.add_argument("--slots", type=int, default=8, help="moe: expert slots")
     ap.add_argument("--f", type=int, default=704, help="moe: expert width")
     ap.add_argument("--h", type=int, default=2816, help="moe: hidden size")
     ap.add_argument("--kind", choices=("dense", "gate_up"), default="gate_up", help="tiles: which kernel")
     ap.add_argument("--n", type=int, default=21504, help="tiles: N (dense) or F (gate_up)")
     ap.add_argument("--k", type=int, default=5376, help="tiles: K")
+    ap.add_argument("--n-q", type=int, default=32, help="attention: query heads")
+    ap.add_argument("--n-kv", type=int, default=4, help="attention: kv heads")
+    ap.add_argument("--head-dim", type=int, default=512, help="attention: head dim")
     ap.add_argument("--ops", action="store_true", help="also print each loop's opcode counts")
     args = ap.parse_args(argv)
     if shutil.which("nvcc") is None or not args.cuobjdump:
         print("needs nvcc and cuobjdump (--cuobjdump)", file=sys.stderr)
         return 2
     if args.family == "moe":
-        spec, instances = moe_instances(args.slots, args.f, args.h)
+        units = [moe_instances(args.slots, args.f, args.h)]
         title = f"moe_experts, S={args.slots} F={args.f} H={args.h}"
+    elif args.family == "tiles":
+        units = [tiles_instances(args.kind, args.n, args.k)]
+        title = f"{units[0][0].name}, N={args.n} K={args.k}, {qt.default_tiles_config()}"
     else:
-        spec, instances = tiles_instances(args.kind, args.n, args.k)
-        title = f"{spec.name}, N={args.n} K={args.k}, {qt.default_tiles_config()}"
+        units = attention_instances(args.n_q, args.n_kv, args.head_dim)
+        title = f"decode attention, n_q={args.n_q} n_kv={args.n_kv} D={args.head_dim}"
+        print(f"{title}: registers; instructions (mma.sync) per 32-slot tile of each mma loop")
+        for spec, instances in units:
+            if (rc := report(args, spec, instances, per_tile=True)) != 0:
+                return rc
+        return 0
+    print(f"{title}: registers; instructions per block step (two mma.sync: 16 rows x 32 weights) of each mma loop")
+    return report(args, *units[0])
+
+
+def report(args, spec, instances: dict, per_tile: bool = False) -> int:
+    """Compile spec at instances, print registers and each mma loop's instructions: per block step
+    (two mma.sync) or, with ``per_tile``, per iteration with its mma count."""
     with tempfile.TemporaryDirectory() as tmp:
         inc = os.path.join(tmp, "mlx", "backend", "cuda", "device")
         os.makedirs(inc)
@@ -140,9 +173,11 @@ def main(argv=None) -> int:
             regs.update({name: n for name in instances if f"{len(name)}{name}" in mangled})
         sass = subprocess.run([args.cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
     loops = mma_loops(sass, list(instances))
-    print(f"{title}: registers; instructions per block step (two mma.sync: 16 rows x 32 weights) of each mma loop")
     for name in instances:
-        per_step = ", ".join(f"{2 * len(b) / sum('HMMA' in t for t in b):.1f}" for b in loops.get(name, []))
+        if per_tile:
+            per_step = ", ".join(f"{len(b)} ({sum('HMMA' in t for t in b)})" for b in loops.get(name, []))
+        else:
+            per_step = ", ".join(f"{2 * len(b) / sum('HMMA' in t for t in b):.1f}" for b in loops.get(name, []))
         print(f"  {name:10s} {regs.get(name, '?'):>3s} registers; {per_step}")
         if args.ops:
             for b in loops.get(name, []):
