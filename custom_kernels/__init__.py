@@ -115,7 +115,8 @@ does not apply: the 31B, 26B-A4B and 12B full layers) passed its registry cases,
 at the real shapes and a model-level test of the compiled step in session 27 and became a CUDA
 default there (31B full layer at 32K 300 -> 176 us per call; in one process 31B at 32K 82.7
 tok/s median against 76.2, 12B at 32K 143.5 against 133.7, 31B at 4K 93.3 against 92.4, ahead in
-every round; not run under compute-sanitizer).
+every round); its registry cases passed compute-sanitizer memcheck, racecheck and synccheck in
+session 28.
 The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",

@@ -1029,14 +1029,17 @@ _MERGE_WIDE = KernelSource("g4_attn_decode_merge_wide", _MERGE.input_names, _MER
                            {"metal": ("", ""), "cuda": (_text("")["cuda"][0], _local(_MERGE_WIDE_BODY, "cuda"))})  # fmt: skip
 
 
-def _mma_text() -> tuple[str, str]:
-    from .quant_matvec import _MMA_HEADER_CUDA  # g4_mma_bf16
+def _mma_text(body: str, bulk: bool = False) -> tuple[str, str]:
+    """(header, source) of a tensor-core decode-attention kernel: the attention prelude, g4_mma_bf16,
+    with ``bulk`` the cp.async / mbarrier / bulk-copy helpers, and _MMA_HELPERS."""
+    from .quant_matvec import _MBAR_BULK_CUDA, _MMA_HEADER_CUDA, _STREAM_CP_ASYNC_CUDA
 
-    return _text("")["cuda"][0] + _MMA_HEADER_CUDA + _MMA_HELPERS, _local(_MMA_BODY, "cuda")
+    extra = _STREAM_CP_ASYNC_CUDA + _MBAR_BULK_CUDA if bulk else ""
+    return _text("")["cuda"][0] + _MMA_HEADER_CUDA + extra + _MMA_HELPERS, _local(body, "cuda")
 
 
 _MMA = KernelSource("g4_attn_decode_mma", _PARTIAL.input_names, _PARTIAL.output_names,
-                    {"metal": ("", ""), "cuda": _mma_text()})  # fmt: skip
+                    {"metal": ("", ""), "cuda": _mma_text(_MMA_BODY)})  # fmt: skip
 MMA_ARCH = 80
 """Compute capability the tensor-core kernel needs (bf16 mma.sync)."""
 
@@ -1220,22 +1223,16 @@ _MMA8_BODY = r"""
 """
 
 
-def _mma8_text() -> tuple[str, str]:
-    from .quant_matvec import _MMA_HEADER_CUDA  # g4_mma_bf16
-
-    return _text("")["cuda"][0] + _MMA_HEADER_CUDA + _MMA_HELPERS, _local(_MMA8_BODY, "cuda")
-
-
 _MMA8 = KernelSource("g4_attn_decode_mma8", _PARTIAL.input_names, _PARTIAL.output_names,
-                     {"metal": ("", ""), "cuda": _mma8_text()})  # fmt: skip
+                     {"metal": ("", ""), "cuda": _mma_text(_MMA8_BODY)})  # fmt: skip
 MMA8_MAX_ROWS = 8
 """Query rows per kv head g4_attn_decode_mma8 takes: the mma's 8 columns."""
 
 # The tensor-core kernel with each tile's K and V rows brought into shared memory by bulk copies,
-# ST stages (tiles) ahead (family "attention_mma_staged", CUDA on Hopper, opt-in; session 27,
-# not yet run on a GPU). g4_attn_decode_mma loads a tile's K rows, runs the score mmas, loads its
-# V rows and runs the value mmas: two memory waits per 32-slot tile in one 256-thread block per
-# SM (207 registers), 40% of copy at 31B's full layer at 32K. Here warp 0's lanes copy one K and
+# ST stages (tiles) ahead (family "attention_mma_staged", CUDA on Hopper, opt-in; written in session
+# 27, its registry cases passed on the H200 in session 28). g4_attn_decode_mma loads a tile's K
+# rows, runs the score mmas, loads its V rows and runs the value mmas: two memory waits per 32-slot
+# tile, 40% of copy at 31B's full layer at 32K. Here warp 0's lanes copy one K and
 # one V row each (RS bytes apart: 16 bytes of padding move each row 4 banks), the tile at slot t
 # lands in stage (tile index % ST) and completes that stage's mbarrier; tile i + ST - 1 is issued
 # once every warp has passed tile i's score barrier (so all of tile i - 1, the stage's last user, is
@@ -1317,15 +1314,8 @@ def _mma_staged_body() -> str:
     return body
 
 
-def _mma_staged_text() -> tuple[str, str]:
-    from .quant_matvec import _MBAR_BULK_CUDA, _MMA_HEADER_CUDA, _STREAM_CP_ASYNC_CUDA  # mbarriers, bulk copies, mma
-
-    header = _text("")["cuda"][0] + _MMA_HEADER_CUDA + _STREAM_CP_ASYNC_CUDA + _MBAR_BULK_CUDA + _MMA_HELPERS
-    return header, _local(_mma_staged_body(), "cuda")
-
-
 _MMA_STAGED = KernelSource("g4_attn_decode_mma_staged", _PARTIAL.input_names, _PARTIAL.output_names,
-                           {"metal": ("", ""), "cuda": _mma_staged_text()})  # fmt: skip
+                           {"metal": ("", ""), "cuda": _mma_text(_mma_staged_body(), bulk=True)})  # fmt: skip
 MMA_SHARED_LIMIT = 227 * 1024
 """Shared memory one thread block may have on Hopper (static + dynamic, bytes)."""
 
