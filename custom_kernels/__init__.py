@@ -59,7 +59,8 @@ because they have not passed ``pytest -m gpu`` on real hardware yet or showed no
 PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "sampling", "router", "gate_up_split",
                     "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                     "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
-                    "router_fused", "attention_fused", "quant_matvec_tiles", "attention_mma"})  # fmt: skip
+                    "router_fused", "attention_fused", "quant_matvec_tiles", "attention_mma",
+                    "attention_mma8"})  # fmt: skip
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
@@ -116,22 +117,24 @@ at the real shapes and a model-level test of the compiled step in session 27 and
 default there (31B full layer at 32K 300 -> 176 us per call; in one process 31B at 32K 82.7
 tok/s median against 76.2, 12B at 32K 143.5 against 133.7, 31B at 4K 93.3 against 92.4, ahead in
 every round); its registry cases passed compute-sanitizer memcheck, racecheck and synccheck in
-session 28.
+session 28; "attention_mma8" (the same for 4..8 query rows per kv head with both products
+transposed, slots and head dims as the mma's 16 rows and the query rows its 8 columns: no padding
+rows, half the mmas; custom_kernels.attention's g4_attn_decode_mma8, CUDA sm_80+, bf16: the 31B,
+26B-A4B and E4B full layers) passed its registry cases under compute-sanitizer memcheck,
+racecheck and synccheck, its operator tests at the real shapes and the model-level tests in
+session 29 and became a CUDA default there (per call at 32K, partial + merge: 31B full layer
+175 -> 135 us and 26B-A4B 114 -> 81 against g4_attn_decode_mma, E4B 137 -> 69 against the
+f32-FMA kernels).
 The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                        "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
-                       "router_fused", "attention_fused", "quant_matvec_tiles", "attention_mma"})  # fmt: skip
+                       "router_fused", "attention_fused", "quant_matvec_tiles", "attention_mma",
+                       "attention_mma8"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"matvec_norm", "attention_staged", "attention_mma_staged", "attention_mma8"})
+OPT_IN = frozenset({"matvec_norm", "attention_staged", "attention_mma_staged"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
-"attention_mma8" (decode attention on tensor cores for 4..8 query rows per kv head with the products
-transposed, slots and head dims as the mma's 16 rows and the query rows its 8 columns, so no
-padding rows: custom_kernels.attention's g4_attn_decode_mma8, CUDA sm_80+; half the mmas, 867
-instructions per 32-slot tile against 1,145 at 31B's full layer, and at E4B's 102 registers
-against 138, so two 256-thread blocks per SM there): written in session 28 after the device time
-ran out, not yet run on a GPU (pending);
 "attention_mma_staged" (attention_mma's partial kernel with each tile's K and V rows bulk-copied into
 shared memory a tile ahead, custom_kernels.attention's g4_attn_decode_mma_staged, CUDA on Hopper):
 its registry cases passed on the H200 under compute-sanitizer in session 28, where it cut the

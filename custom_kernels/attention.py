@@ -65,6 +65,10 @@ Kernel design (one body for Metal and CUDA through ``custom_kernels.dialect``):
    ``g4_attn_decode_merge_wide``, whose 8 warps split a row's partitions. Within f32 rounding of
    1.-2., not their bits (see the comment above the kernel). The model's full layers with >= 8
    query rows per kv head (31B, 26B-A4B, 12B; session 27).
+6. ``g4_attn_decode_mma8`` (CUDA sm_80+, bf16, with ``mma8``; family "attention_mma8"): 5. for
+   4..8 query rows per kv head with both products transposed (slots and head dims as the mma's 16
+   rows, the query rows its 8 columns: no padding rows), then the same merge. The model's full
+   layers with 4-8 query rows per kv head (31B, 26B-A4B: 8, E4B: 4; session 29), before 5.
 
 Shape stability: the grid has P partitions fixed by the capacity S (so one compiled decode step
 serves every token); the valid length ``n_slots`` is an input array, and each partition's slot
@@ -1044,7 +1048,7 @@ MMA_ARCH = 80
 """Compute capability the tensor-core kernel needs (bf16 mma.sync)."""
 
 # The tensor-core kernel for at most 8 query rows per kv head (family "attention_mma8", CUDA
-# sm_80+, opt-in; session 28, not yet run on a GPU). With 8 rows or fewer (31B's and 26B-A4B's full
+# sm_80+; written in session 28, a default since session 29). With 8 rows or fewer (31B's and 26B-A4B's full
 # layers: 8, E4B's: 4, the sliding layers: 2) g4_attn_decode_mma's 16 mma rows are half padding:
 # half its value mmas and accumulators are zero rows (at E4B's 4 rows it needs 138 registers: one
 # 256-thread block per SM). Here the products are transposed: the slots (scores) and head dims
@@ -1335,9 +1339,10 @@ MMA_STAGED_MIN_ROWS = 4
 """The same for its staged form (``mma_staged`` on Hopper): E4B's full layers (4 rows) 104 against
 134 us at 32K, 39 against 48 at 4K; the sliding layers' 2 rows did not gain (session 28)."""
 MMA8_MIN_ROWS = 4
-"""The same for g4_attn_decode_mma8 (``mma8``, 4..8 rows): not measured yet; the rows where the
-16-row forms paid (E4B's full layers with the staged one), the sliding layers' 2 left to the FMA
-one launch until a measurement says otherwise."""
+"""The same for g4_attn_decode_mma8 (``mma8``, 4..8 rows): E4B's full layers (4 rows), partial +
+merge, 34 against the f32-FMA kernels' 41 us at 4K and 69 against 137 at 32K (session 29). The
+sliding layers' 2 rows stay on the FMA one launch (31B's: mma8 28 against 35 us per call alone,
+26B-A4B's 33 against 30; not measured inside the step)."""
 
 ATTENTION_COUNTER_WORDS = 256
 """uint32 words of an attention layer's counters: one per (batch x kv head, query tile) group."""

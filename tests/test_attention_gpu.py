@@ -360,11 +360,13 @@ def test_mma_kernel_in_the_compiled_step(monkeypatch, variant, full_kv_heads):
     """A bf16 model with 12B's attention geometry (sliding layers D = 256, 16 query on 8 kv heads;
     a full layer D = 512, 16 query heads on one kv head, K = V; or on two: 8 rows per kv head, as
     31B's and 26B-A4B's) and random weights: the compiled decode step with the full layer on tensor
-    cores (family attention_mma, the default: g4_attn_decode_mma; with attention_mma_staged its
-    staged form, with attention_mma8 g4_attn_decode_mma8; then the wide merge over the partitions of
-    its 256-slot capacity) gives the step's logits with the f32-FMA kernels (attention_mma off),
-    teacher-forced over 48 tokens after a 40-token prompt, within bf16 rounding, and the same greedy
-    token wherever the top two logits are further apart than the largest difference."""
+    cores (families attention_mma and attention_mma8, the defaults: g4_attn_decode_mma at 16 rows,
+    g4_attn_decode_mma8 at 8, or with attention_mma8 off g4_attn_decode_mma there; with
+    attention_mma_staged the staged form; then the wide merge over the partitions of a 4096-slot
+    capacity, large enough that the f32-FMA one launch does not take the layer first) gives the
+    step's logits with the f32-FMA kernels (attention_mma off), teacher-forced over 48 tokens after
+    a 40-token prompt, within bf16 rounding, and the same greedy token wherever the top two logits
+    are further apart than the largest difference."""
     from gemma4_mlx.cache import make_cache
     from gemma4_mlx.compiled_step import CompiledDecoder
     from gemma4_mlx.config import FULL, SLIDING, ModelConfig
@@ -380,18 +382,23 @@ def test_mma_kernel_in_the_compiled_step(monkeypatch, variant, full_kv_heads):
     model = Model(cfg)
     model.set_dtype(mx.bfloat16)
     ids = mx.array(np.random.default_rng(27).integers(0, cfg.vocab_size, 88, dtype=np.int32))
+    capacity = 4096
     assert at.mma_supported("bfloat16", "bfloat16", 16, full_kv_heads, 1, 512)
+    assert not at.fused_supported(at.plan_decode(1, 16, full_kv_heads, 1, capacity, 512, "bfloat16", "bfloat16", None)), (
+        "the one launch would take the full layer before the tensor-core kernels")  # fmt: skip
 
     def logits(on: bool) -> np.ndarray:
         monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
         monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
         if not on:
             monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "attention_mma")
-        elif variant != "mma":
-            monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "attention_" + variant)
+        elif variant == "mma":
+            monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "attention_mma8")
+        elif variant == "mma_staged":
+            monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "attention_mma_staged")
         cache = make_cache(cfg)
         mx.eval(model(ids[None, :40], cache))
-        decoder = CompiledDecoder(model, cache, capacity=256)
+        decoder = CompiledDecoder(model, cache, capacity=capacity)
         return np.stack([np.array(decoder(ids[None, t : t + 1]).astype(mx.float32))[0] for t in range(40, 88)])
 
     base, mma = logits(False), logits(True)
