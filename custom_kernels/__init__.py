@@ -60,7 +60,7 @@ PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "samplin
                     "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                     "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
                     "router_fused", "attention_fused", "quant_matvec_tiles", "attention_mma",
-                    "attention_mma8"})  # fmt: skip
+                    "attention_mma8", "attention_mma_staged"})  # fmt: skip
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
@@ -124,24 +124,24 @@ rows, half the mmas; custom_kernels.attention's g4_attn_decode_mma8, CUDA sm_80+
 racecheck and synccheck, its operator tests at the real shapes and the model-level tests in
 session 29 and became a CUDA default there (per call at 32K, partial + merge: 31B full layer
 175 -> 135 us and 26B-A4B 114 -> 81 against g4_attn_decode_mma, E4B 137 -> 69 against the
-f32-FMA kernels).
+f32-FMA kernels); "attention_mma_staged" (attention_mma's partial kernel with each tile's K and V
+rows bulk-copied into shared memory a tile ahead, ~132 thread blocks: custom_kernels.attention's
+g4_attn_decode_mma_staged, CUDA on Hopper; after attention_mma8, it takes the 16-row full layers:
+12B's) passed its registry cases under compute-sanitizer in session 28, its operator tests at the
+real shapes and the model-level test of the compiled step in session 29 and became a CUDA default
+(Hopper) there: 12B's full layer at 32K 114 -> 72 us per call (partial + merge), at 4K 43 -> 34;
+in one process 12B at 32K 144.1 against 139.2 tok/s (session 28, 2 of 2 rounds) and 149.8 against
+145.8 (session 29, 2 of 3), at 4K equal (151.5 against 151.7: host-bound).
 The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                        "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
                        "router_fused", "attention_fused", "quant_matvec_tiles", "attention_mma",
-                       "attention_mma8"})  # fmt: skip
+                       "attention_mma8", "attention_mma_staged"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"matvec_norm", "attention_staged", "attention_mma_staged"})
+OPT_IN = frozenset({"matvec_norm", "attention_staged"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
-"attention_mma_staged" (attention_mma's partial kernel with each tile's K and V rows bulk-copied into
-shared memory a tile ahead, custom_kernels.attention's g4_attn_decode_mma_staged, CUDA on Hopper):
-its registry cases passed on the H200 under compute-sanitizer in session 28, where it cut the
-full layers' partial kernel at 32K (12B 102 -> 63 us, 26B-A4B 96 -> 82; E4B's 4 rows, both
-launches, 134 -> 104 against the f32-FMA kernels) and 12B at 32K read 144.1 against 139.2 tok/s
-in one process; opt-in until its oracle tests at the real shapes and the model tests are seen
-passing with it;
 "attention_staged" (the one-launch decode attention with each tile's K and V rows bulk-copied
 into shared memory before the query rows load, custom_kernels.attention's g4_attn_decode_staged,
 CUDA on Hopper only; used where "attention_fused" is): bit-equal to the one launch and passed

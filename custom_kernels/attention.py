@@ -1233,8 +1233,8 @@ MMA8_MAX_ROWS = 8
 """Query rows per kv head g4_attn_decode_mma8 takes: the mma's 8 columns."""
 
 # The tensor-core kernel with each tile's K and V rows brought into shared memory by bulk copies,
-# ST stages (tiles) ahead (family "attention_mma_staged", CUDA on Hopper, opt-in; written in session
-# 27, its registry cases passed on the H200 in session 28). g4_attn_decode_mma loads a tile's K
+# ST stages (tiles) ahead (family "attention_mma_staged", CUDA on Hopper; written in session 27, its
+# registry cases passed on the H200 in session 28, a default since session 29). g4_attn_decode_mma loads a tile's K
 # rows, runs the score mmas, loads its V rows and runs the value mmas: two memory waits per 32-slot
 # tile, 40% of copy at 31B's full layer at 32K. Here warp 0's lanes copy one K and
 # one V row each (RS bytes apart: 16 bytes of padding move each row 4 banks), the tile at slot t

@@ -360,11 +360,10 @@ def test_mma_kernel_in_the_compiled_step(monkeypatch, variant, full_kv_heads):
     """A bf16 model with 12B's attention geometry (sliding layers D = 256, 16 query on 8 kv heads;
     a full layer D = 512, 16 query heads on one kv head, K = V; or on two: 8 rows per kv head, as
     31B's and 26B-A4B's) and random weights: the compiled decode step with the full layer on tensor
-    cores (families attention_mma and attention_mma8, the defaults: g4_attn_decode_mma at 16 rows,
-    g4_attn_decode_mma8 at 8, or with attention_mma8 off g4_attn_decode_mma there; with
-    attention_mma_staged the staged form; then the wide merge over the partitions of a 4096-slot
-    capacity, large enough that the f32-FMA one launch does not take the layer first) gives the
-    step's logits with the f32-FMA kernels (attention_mma off), teacher-forced over 48 tokens after
+    cores (the defaults: at 16 rows g4_attn_decode_mma_staged on Hopper, at 8 g4_attn_decode_mma8;
+    or with attention_mma8 and attention_mma_staged off g4_attn_decode_mma at both; then the wide
+    merge over the partitions of a 4096-slot capacity, large enough that the f32-FMA one launch
+    does not take the layer first) gives the step's logits with the f32-FMA kernels (attention_mma off), teacher-forced over 48 tokens after
     a 40-token prompt, within bf16 rounding, and the same greedy token wherever the top two logits
     are further apart than the largest difference."""
     from gemma4_mlx.cache import make_cache
@@ -393,9 +392,7 @@ def test_mma_kernel_in_the_compiled_step(monkeypatch, variant, full_kv_heads):
         if not on:
             monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "attention_mma")
         elif variant == "mma":
-            monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "attention_mma8")
-        elif variant == "mma_staged":
-            monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "attention_mma_staged")
+            monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "attention_mma8,attention_mma_staged")
         cache = make_cache(cfg)
         mx.eval(model(ids[None, :40], cache))
         decoder = CompiledDecoder(model, cache, capacity=capacity)
