@@ -1048,10 +1048,10 @@ MMA_ARCH = 80
 """Compute capability the tensor-core kernel needs (bf16 mma.sync)."""
 
 # The tensor-core kernel for at most 8 query rows per kv head (family "attention_mma8", CUDA
-# sm_80+; written in session 28, a default since session 29). With 8 rows or fewer (31B's and 26B-A4B's full
-# layers: 8, E4B's: 4, the sliding layers: 2) g4_attn_decode_mma's 16 mma rows are half padding:
-# half its value mmas and accumulators are zero rows (at E4B's 4 rows it needs 138 registers: one
-# 256-thread block per SM). Here the products are transposed: the slots (scores) and head dims
+# sm_80+; written in session 28, a default since session 29). With 8 rows or fewer (31B's and
+# 26B-A4B's full layers: 8, E4B's: 4, the sliding layers: 2) g4_attn_decode_mma's 16 mma rows are
+# half padding: half its value mmas and accumulators are zero rows (at E4B's 4 rows it needs 138
+# registers: one 256-thread block per SM). Here the products are transposed: the slots (scores) and head dims
 # (values) are the mma's 16 rows and the query rows its 8 columns:
 #  - scores S^T = K Q^T per 16 slots (K rows as the A operand, the same permuted 32-dim blocks as
 #    g4_attn_decode_mma), summed across the warps through shared memory stored as [row][slot], so
@@ -1234,9 +1234,9 @@ MMA8_MAX_ROWS = 8
 
 # The tensor-core kernel with each tile's K and V rows brought into shared memory by bulk copies,
 # ST stages (tiles) ahead (family "attention_mma_staged", CUDA on Hopper; written in session 27, its
-# registry cases passed on the H200 in session 28, a default since session 29). g4_attn_decode_mma loads a tile's K
-# rows, runs the score mmas, loads its V rows and runs the value mmas: two memory waits per 32-slot
-# tile, 40% of copy at 31B's full layer at 32K. Here warp 0's lanes copy one K and
+# registry cases passed on the H200 in session 28, a default since session 29). g4_attn_decode_mma
+# loads a tile's K rows, runs the score mmas, loads its V rows and runs the value mmas: two memory
+# waits per 32-slot tile, 40% of copy at 31B's full layer at 32K. Here warp 0's lanes copy one K and
 # one V row each (RS bytes apart: 16 bytes of padding move each row 4 banks), the tile at slot t
 # lands in stage (tile index % ST) and completes that stage's mbarrier; tile i + ST - 1 is issued
 # once every warp has passed tile i's score barrier (so all of tile i - 1, the stage's last user, is

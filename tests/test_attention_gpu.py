@@ -363,9 +363,9 @@ def test_mma_kernel_in_the_compiled_step(monkeypatch, variant, full_kv_heads):
     cores (the defaults: at 16 rows g4_attn_decode_mma_staged on Hopper, at 8 g4_attn_decode_mma8;
     or with attention_mma8 and attention_mma_staged off g4_attn_decode_mma at both; then the wide
     merge over the partitions of a 4096-slot capacity, large enough that the f32-FMA one launch
-    does not take the layer first) gives the step's logits with the f32-FMA kernels (attention_mma off), teacher-forced over 48 tokens after
-    a 40-token prompt, within bf16 rounding, and the same greedy token wherever the top two logits
-    are further apart than the largest difference."""
+    does not take the layer first) gives the step's logits with the f32-FMA kernels (attention_mma
+    off), teacher-forced over 48 tokens after a 40-token prompt, within bf16 rounding, and the same
+    greedy token wherever the top two logits are further apart than the largest difference."""
     from gemma4_mlx.cache import make_cache
     from gemma4_mlx.compiled_step import CompiledDecoder
     from gemma4_mlx.config import FULL, SLIDING, ModelConfig
