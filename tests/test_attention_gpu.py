@@ -287,7 +287,12 @@ def test_staged_kernel_equals_the_one_launch(name, n_q, n_kv, window, dtype):
         assert not np.array(counters).any(), f"{what}: counters not reset"
 
 
-MMA_SHAPES = [s for s in SHAPES if s[1] // s[2] <= at.MMA_MAX_ROWS]
+MMA_SHAPES = [s for s in SHAPES if s[1] // s[2] <= at.MMA_MAX_ROWS] + [
+    # E2B's one kv head: 8 rows on both layer types, so its sliding layers take the tensor-core
+    # kernel too (its ring's merge is too large for the one launch; tests/test_attention_dispatch.py)
+    ("E2B sliding", 8, 1, 256, "ring"),
+    ("E2B full", 8, 1, 512, "full"),
+]
 
 
 @pytest.mark.skipif(custom_kernels.backend() != "cuda" or custom_kernels.cuda_arch() < at.MMA_ARCH,

@@ -1,0 +1,86 @@
+"""Which decode-attention kernels the real models' layers launch on an H200 (CUDA sm_90), counted on
+the CPU: bench/graph_count.py's stand-in kernels record every launch of one decode step of a
+two-layer model (one sliding, one full layer) with each preset's attention geometry (heads, kv
+heads, head dims, window) and a full layer's capacity as the decode step sizes it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import pytest
+
+# layer -> the g4_attn* kernels one decode token launches there, by default (CUDA sm_90)
+EXPECTED = {
+    # 2 query rows per kv head on the sliding layers: the f32-FMA one launch (attention_fused);
+    # full layers with 8 rows (31B, 26B-A4B) or 4 (E4B): g4_attn_decode_mma8 (attention_mma8),
+    # with 16 (12B): g4_attn_decode_mma_staged (attention_mma_staged, Hopper); then the wide merge
+    "31B": (["g4_attn_decode"], ["g4_attn_decode_mma8", "g4_attn_decode_merge_wide"]),
+    "26B-A4B": (["g4_attn_decode"], ["g4_attn_decode_mma8", "g4_attn_decode_merge_wide"]),
+    "12B": (["g4_attn_decode"], ["g4_attn_decode_mma_staged", "g4_attn_decode_merge_wide"]),
+    "E4B": (["g4_attn_decode"], ["g4_attn_decode_mma8", "g4_attn_decode_merge_wide"]),
+    # E2B's one kv head gives 8 rows on both layer types; its sliding ring's merge is too large for
+    # the one launch, so the sliding layers take the tensor-core kernel too
+    "E2B": (["g4_attn_decode_mma8", "g4_attn_decode_merge_wide"], ["g4_attn_decode_mma8", "g4_attn_decode_merge_wide"]),
+}
+
+
+def _launches(graph_count, monkeypatch, cfg, context: int) -> list[str]:
+    """Names of the kernels one uncompiled decode step of `cfg` launches (stand-ins, in call order)."""
+    from gemma4_mlx.cache import make_static
+
+    model, cache = graph_count._model_and_caches(cfg, context, True)  # pretends CUDA sm_90 first
+    calls: list[str] = []
+
+    def recording(**kw):
+        launch, name = graph_count._stand_in_kernel(**kw), kw["name"].rsplit("_", 1)[0]
+
+        def call(**args):
+            calls.append(name)
+            return launch(**args)
+
+        return call
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", recording)
+    import custom_kernels
+
+    custom_kernels.clear_kernel_cache()
+    caches = make_static(cache, -(-(context + 8) // 256) * 256)
+    mx.eval(model.model(mx.array([[3]], mx.int32), caches))
+    return calls
+
+
+def _attention_launches(graph_count, monkeypatch, name: str) -> list[str]:
+    import decode
+
+    from gemma4_mlx.config import FULL, SLIDING
+
+    preset = decode.preset(name)
+    cfg = dataclasses.replace(preset, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                              layer_types=[SLIDING, FULL], vocab_size=2048, num_kv_shared_layers=0,
+                              enable_moe_block=False, hidden_size_per_layer_input=0)  # fmt: skip
+    assert (cfg.num_attention_heads, cfg.head_dim, cfg.global_head_dim) == (
+        preset.num_attention_heads, preset.head_dim, preset.global_head_dim)  # fmt: skip
+    return [c for c in _launches(graph_count, monkeypatch, cfg, 4096) if c.startswith("g4_attn")]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_attention_kernels_of_each_model(graph_count, monkeypatch, name):
+    sliding, full = EXPECTED[name]
+    calls = _attention_launches(graph_count, monkeypatch, name)
+    assert calls == sliding + full, f"{name}: {calls}"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_attention_kernels_without_mma8_and_staged(graph_count, monkeypatch, name):
+    """With attention_mma8 and attention_mma_staged off, layers of 8 or more rows per kv head take
+    g4_attn_decode_mma (MMA_MIN_ROWS) and E4B's full layers (4 rows) the f32-FMA partitions and
+    merge; the one-launch sliding layers are unchanged."""
+    import custom_kernels
+
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "attention_mma8,attention_mma_staged")
+    tensor_cores = ["g4_attn_decode_mma", "g4_attn_decode_merge_wide"]
+    sliding, full = EXPECTED[name]
+    sliding = tensor_cores if name == "E2B" else sliding
+    full = ["g4_attn_decode_partial", "g4_attn_decode_merge"] if name == "E4B" else tensor_cores
+    assert _attention_launches(graph_count, monkeypatch, name) == sliding + full
