@@ -120,7 +120,7 @@ every round); its registry cases passed compute-sanitizer memcheck, racecheck an
 session 28; "attention_mma8" (the same for 4..8 query rows per kv head with both products
 transposed, slots and head dims as the mma's 16 rows and the query rows its 8 columns: no padding
 rows, half the mmas; custom_kernels.attention's g4_attn_decode_mma8, CUDA sm_80+, bf16: the 31B,
-26B-A4B and E4B full layers) passed its registry cases under compute-sanitizer memcheck,
+26B-A4B and E4B full layers, and E2B's full and sliding layers, unmeasured) passed its registry cases under compute-sanitizer memcheck,
 racecheck and synccheck, its operator tests at the real shapes and the model-level tests in
 session 29 and became a CUDA default there (per call at 32K, partial + merge: 31B full layer
 175 -> 135 us and 26B-A4B 114 -> 81 against g4_attn_decode_mma, E4B 137 -> 69 against the

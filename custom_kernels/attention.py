@@ -68,7 +68,8 @@ Kernel design (one body for Metal and CUDA through ``custom_kernels.dialect``):
 6. ``g4_attn_decode_mma8`` (CUDA sm_80+, bf16, with ``mma8``; family "attention_mma8"): 5. for
    4..8 query rows per kv head with both products transposed (slots and head dims as the mma's 16
    rows, the query rows its 8 columns: no padding rows), then the same merge. The model's full
-   layers with 4-8 query rows per kv head (31B, 26B-A4B: 8, E4B: 4; session 29), before 5.
+   layers with 4-8 query rows per kv head (31B, 26B-A4B: 8, E4B: 4; session 29) and E2B's
+   layers of both types (8 rows; its ring's merge is too large for 3.), before 5.
 
 Shape stability: the grid has P partitions fixed by the capacity S (so one compiled decode step
 serves every token); the valid length ``n_slots`` is an input array, and each partition's slot
