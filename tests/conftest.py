@@ -23,7 +23,8 @@ def pytest_configure(config):
 @pytest.fixture
 def graph_count(monkeypatch):
     """bench/graph_count.py, with what its pretend_cuda() patches (backends, mx.fast ops) restored
-    after the test."""
+    after the test, and its stand-ins' cached zero outputs freed (at real layer shapes they hold
+    megabytes that later tests' memory checks would count)."""
     import mlx.core as mx
 
     bench = str(Path(__file__).resolve().parents[1] / "bench")
@@ -41,3 +42,4 @@ def graph_count(monkeypatch):
         monkeypatch.setattr(mx.fast, name, getattr(mx.fast, name))
     yield gc
     custom_kernels.clear_kernel_cache()
+    gc._ZEROS.clear()
