@@ -63,13 +63,22 @@ Kernel design (one body for Metal and CUDA through ``custom_kernels.dialect``):
    cores, the kv head's G*M <= 16 query rows as the rows of mma.sync m16n8k16 (the f32-FMA kernel
    is bound by its arithmetic where one K/V row serves 8-16 query rows of 512 dims), then
    ``g4_attn_decode_merge_wide``, whose 8 warps split a row's partitions. Within f32 rounding of
-   1.-2., not their bits (see the comment above the kernel). The model's full layers with >= 8
-   query rows per kv head (31B, 26B-A4B, 12B; session 27).
+   1.-2., not their bits (see the comment above the kernel). Family "attention_mma" is the switch
+   for 5.-7.; by default this kernel itself takes only what 6. and 7. leave: 9..16 rows below
+   Hopper (12B's full layers on sm_80; sessions 27-29).
 6. ``g4_attn_decode_mma8`` (CUDA sm_80+, bf16, with ``mma8``; family "attention_mma8"): 5. for
    4..8 query rows per kv head with both products transposed (slots and head dims as the mma's 16
    rows, the query rows its 8 columns: no padding rows), then the same merge. The model's full
    layers with 4-8 query rows per kv head (31B, 26B-A4B: 8, E4B: 4; session 29) and E2B's
-   layers of both types (8 rows; its ring's merge is too large for 3.), before 5.
+   layers of both types (8 rows; its ring's merge is too large for 3.), before 5. Rows are G x M,
+   so verification calls of M >= 2 on the sliding layers whose merge is too large for 3. take it
+   too (31B's, 26B-A4B's, 12B's at M = 2..4).
+7. ``g4_attn_decode_mma_staged`` (CUDA on Hopper, with ``mma_staged``; family
+   "attention_mma_staged"): 5. with each tile's K and V rows bulk-copied into shared memory a tile
+   ahead, ~132 thread blocks; the same arithmetic on the same partitions as 5. The model's layers
+   that 6. does not take from 4 rows up: 12B's full layers (16 rows; session 29).
+A layer with a small enough merge takes 3. (or 4.) first whatever its rows: the sliding layers at
+one token (E4B's 4 rows included), and full layers in short caches (e.g. 31B's at 256 slots).
 
 Shape stability: the grid has P partitions fixed by the capacity S (so one compiled decode step
 serves every token); the valid length ``n_slots`` is an input array, and each partition's slot
@@ -1050,7 +1059,7 @@ MMA_ARCH = 80
 
 # The tensor-core kernel for at most 8 query rows per kv head (family "attention_mma8", CUDA
 # sm_80+; written in session 28, a default since session 29). With 8 rows or fewer (31B's and
-# 26B-A4B's full layers: 8, E4B's: 4, the sliding layers: 2) g4_attn_decode_mma's 16 mma rows are
+# 26B-A4B's full layers: 8, E4B's: 4, 31B's sliding layers: 2) g4_attn_decode_mma's 16 mma rows are
 # half padding: half its value mmas and accumulators are zero rows (at E4B's 4 rows it needs 138
 # registers: one 256-thread block per SM). Here the products are transposed: the slots (scores) and head dims
 # (values) are the mma's 16 rows and the query rows its 8 columns:
@@ -1342,8 +1351,9 @@ MMA_STAGED_MIN_ROWS = 4
 MMA8_MIN_ROWS = 4
 """The same for g4_attn_decode_mma8 (``mma8``, 4..8 rows): E4B's full layers (4 rows), partial +
 merge, 34 against the f32-FMA kernels' 41 us at 4K and 69 against 137 at 32K (session 29). The
-sliding layers' 2 rows stay on the FMA one launch (31B's: mma8 28 against 35 us per call alone,
-26B-A4B's 33 against 30; not measured inside the step)."""
+sliding layers take the FMA one launch before this rule applies (31B's 2 rows: mma8 28 against 35
+us per call alone, but 96.4 against 98.1 tok/s in the step, session 29; E4B's 4 rows likewise);
+E2B's, whose merge is too large for the one launch, take mma8 (8 rows; not measured)."""
 
 ATTENTION_COUNTER_WORDS = 256
 """uint32 words of an attention layer's counters: one per (batch x kv head, query tile) group."""

@@ -539,7 +539,7 @@ def test_mma_kernel_text():
 
 
 def test_mma8_kernel_text_and_plan():
-    """g4_attn_decode_mma8 is CUDA only, registered with cases (pending its GPU run), one barrier a
+    """g4_attn_decode_mma8 is CUDA only, registered with cases (pinned after its GPU run), one barrier a
     tile, the query rows as the mma's 8 columns; its plan takes 8 rows at most, unstaged, with the
     [row][slot] score exchange (20 KB at 8 warps)."""
     spec = {s.name: s for s in all_kernel_specs()}["g4_attn_decode_mma8"]

@@ -6,13 +6,14 @@ heads, head dims, window) and a full layer's capacity as the decode step sizes i
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import mlx.core as mx
 import pytest
 
 # layer -> the g4_attn* kernels one decode token launches there, by default (CUDA sm_90)
 EXPECTED = {
-    # 2 query rows per kv head on the sliding layers: the f32-FMA one launch (attention_fused);
+    # sliding layers (2 query rows per kv head, E4B's 4): the f32-FMA one launch (attention_fused);
     # full layers with 8 rows (31B, 26B-A4B) or 4 (E4B): g4_attn_decode_mma8 (attention_mma8),
     # with 16 (12B): g4_attn_decode_mma_staged (attention_mma_staged, Hopper); then the wide merge
     "31B": (["g4_attn_decode"], ["g4_attn_decode_mma8", "g4_attn_decode_merge_wide"]),
@@ -33,7 +34,7 @@ def _launches(graph_count, monkeypatch, cfg, context: int) -> list[str]:
     calls: list[str] = []
 
     def recording(**kw):
-        launch, name = graph_count._stand_in_kernel(**kw), kw["name"].rsplit("_", 1)[0]
+        launch, name = graph_count._stand_in_kernel(**kw), re.sub(r"_[0-9a-f]{16}$", "", kw["name"])
 
         def call(**args):
             calls.append(name)
@@ -59,8 +60,8 @@ def _attention_launches(graph_count, monkeypatch, name: str) -> list[str]:
     cfg = dataclasses.replace(preset, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                               layer_types=[SLIDING, FULL], vocab_size=2048, num_kv_shared_layers=0,
                               enable_moe_block=False, hidden_size_per_layer_input=0)  # fmt: skip
-    assert (cfg.num_attention_heads, cfg.head_dim, cfg.global_head_dim) == (
-        preset.num_attention_heads, preset.head_dim, preset.global_head_dim)  # fmt: skip
+    spec = {s.type: (s.num_heads, s.num_kv_heads, s.head_dim, s.sliding_window) for s in cfg.layers}
+    assert spec == {s.type: (s.num_heads, s.num_kv_heads, s.head_dim, s.sliding_window) for s in preset.layers}
     return [c for c in _launches(graph_count, monkeypatch, cfg, 4096) if c.startswith("g4_attn")]
 
 
@@ -84,3 +85,12 @@ def test_attention_kernels_without_mma8_and_staged(graph_count, monkeypatch, nam
     sliding = tensor_cores if name == "E2B" else sliding
     full = ["g4_attn_decode_partial", "g4_attn_decode_merge"] if name == "E4B" else tensor_cores
     assert _attention_launches(graph_count, monkeypatch, name) == sliding + full
+
+
+def test_attention_kernels_below_hopper(graph_count, monkeypatch):
+    """On sm_80 (no bulk copies) 12B's full layer (16 rows) falls back to g4_attn_decode_mma; the
+    8-row layers keep mma8 (it needs only mma.sync)."""
+    monkeypatch.setattr(graph_count, "PRETEND_ARCH", 80)
+    assert _attention_launches(graph_count, monkeypatch, "12B") == [
+        "g4_attn_decode", "g4_attn_decode_mma", "g4_attn_decode_merge_wide"]  # fmt: skip
+    assert _attention_launches(graph_count, monkeypatch, "31B") == ["g4_attn_decode", *EXPECTED["31B"][1]]
