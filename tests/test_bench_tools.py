@@ -4,7 +4,8 @@ with a stand-in compute-sanitizer: its arguments (a limit, then files or node id
 bench/tools/dynamic_smem_probe.py refuses a build without CUDA. bench/tools/kernel_sass.py: its loop
 counter on a hand-written SASS listing, and the CUDA source it compiles. bench/tools/inprocess_ab.py:
 settings alternated in one process, each traced under its own environment. bench/tools/host_profile.py:
-shares of py-spy's folded stacks below one frame."""
+shares of py-spy's folded stacks below one frame. bench/tools/gpu_suite.sh: its two parts, its log
+and verdict counts, and its usage errors."""
 
 from __future__ import annotations
 
@@ -179,3 +180,23 @@ def test_kernel_sass_counts_mma_loops():
     assert "constexpr int SETS = 3;" in src and "constexpr int NW = 8;" in src
     spec, instances = kernel_sass.tiles_instances("gate_up", 21504, 5376)
     assert [dict(t)["BI"] for t in instances.values()] == [0, 2] and spec.name == "g4_q4_0_gate_up_tiles"
+
+
+def test_gpu_suite_parts_and_their_log(tmp_path):
+    """bench/tools/gpu_suite.sh: the kernels part runs the GPU tests but tests/test_model_gpu.py (on
+    this CPU machine they skip), writes the verbose log to $OUT and counts its verdicts; the model
+    part needs the fixture GGUFs' directory, and an unknown part is a usage error."""
+    script = str(ROOT / "bench/tools/gpu_suite.sh")
+    env = {**os.environ, "OUT": str(tmp_path), "WORKERS": "0", "PYTHON": sys.executable}
+    env.pop("GEMMA4_FIXTURE_GGUFS", None)
+    r = subprocess.run(["bash", script, "kernels", "-k", "registry_case or test_model_gpu"], env=env,
+                       capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[:3] == ["PASSED 0", "FAILED 0", "ERROR 0"] and lines[3].startswith("SKIPPED ")
+    assert int(lines[3].split()[1]) > 0 and "skipped" in lines[-1]
+    log = (tmp_path / "gpu-suite-kernels.txt").read_text()
+    assert "test_registry_cases_gpu.py::" in log and "test_model_gpu.py::" not in log
+    for part in ("model", "bogus"):
+        r = subprocess.run(["bash", script, part], env=env, capture_output=True, text=True, timeout=60, check=False)
+        assert r.returncode == 2 and ("GEMMA4_FIXTURE_GGUFS" in r.stdout if part == "model" else "usage" in r.stdout)
