@@ -140,8 +140,12 @@ CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "qu
                        "attention_mma8", "attention_mma_staged"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"matvec_norm", "attention_staged"})
+OPT_IN = frozenset({"matvec_norm", "attention_staged", "kv_one_write"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
+"kv_one_write" (a compiled decode step's static caches hold K and V in one buffer [2B, H, S, D],
+written by one scatter per layer from custom_kernels.rope's stacked g4_norm_rope_kv output;
+attention reads the whole buffer as K, its first B rows, and a view of the rest as V: a layer's
+two cache scatters become one scatter and one view; not yet run on a GPU);
 "attention_staged" (the one-launch decode attention with each tile's K and V rows bulk-copied
 into shared memory before the query rows load, custom_kernels.attention's g4_attn_decode_staged,
 CUDA on Hopper only; used where "attention_fused" is): bit-equal to the one launch and passed

@@ -9,7 +9,9 @@ the mask of ``TextModel.mask_fn``):
   buffers; ``positions`` int32 [S] is the absolute position held by each slot, -1 for an empty
   slot. Sliding layers keep a ring (slots in any order); full layers hold positions 0..len-1 in
   slots 0..len-1 and S may be a preallocated capacity larger than len (slots past len hold -1, or
-  any position > the query's, which the causal test excludes).
+  any position > the query's, which the causal test excludes). ``k_cache`` may also be one K|V
+  buffer [2B, n_kv, S, D] (a one-buffer static cache, gemma4_mlx.cache): the kernels and the
+  reference read only its first B rows, and ``v_cache`` is then a view of its last B.
 - Query row m may attend slot s iff ``positions[s] >= 0``, ``positions[s] <= q_positions[m]`` and,
   on sliding layers, ``q_positions[m] - positions[s] < window`` (W keys including itself).
 - Scale 1.0, no softcap. GQA: query head h reads kv head ``h // (n_q // n_kv)``.
@@ -164,8 +166,9 @@ def _check(q: mx.array, k_cache: mx.array, v_cache: mx.array, positions: mx.arra
         raise ValueError(f"q must be [B, n_q, M, D] and the caches [B, n_kv, S, D], got {q.shape}, {k_cache.shape}")
     B, n_q, M, D = q.shape
     _, n_kv, S, _ = k_cache.shape
-    if k_cache.shape != (B, n_kv, S, D) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"caches {k_cache.shape} / {v_cache.shape} do not match q {q.shape} ([B, n_kv, S, D])")
+    if k_cache.shape not in ((B, n_kv, S, D), (2 * B, n_kv, S, D)) or v_cache.shape != (B, n_kv, S, D):
+        raise ValueError(f"caches {k_cache.shape} / {v_cache.shape} do not match q {q.shape} ([B, n_kv, S, D], "
+                         "K's also [2B, n_kv, S, D])")  # fmt: skip
     if n_kv == 0 or n_q % n_kv:
         raise ValueError(f"{n_q} query heads are not a multiple of {n_kv} kv heads")
     if q.dtype not in _ACT_DTYPES or k_cache.dtype not in _ACT_DTYPES or v_cache.dtype != k_cache.dtype:
@@ -188,7 +191,7 @@ def decode_attention_reference(q: mx.array, k_cache: mx.array, v_cache: mx.array
     B, n_q, M, D, n_kv, S = _check(q, k_cache, v_cache, positions, q_positions, window)
     G = n_q // n_kv
     qf = q.astype(mx.float32).reshape(B, n_kv, G * M, D)
-    kf = k_cache.astype(mx.float32)
+    kf = k_cache[:B].astype(mx.float32)
     vf = v_cache.astype(mx.float32)
     scores = qf @ kf.swapaxes(-1, -2)  # [B, n_kv, G*M, S]
     mask = attend_mask(q_positions, positions, window)

@@ -6,6 +6,9 @@ rope, plus copies where the split views are not contiguous).
     q, k, v = norm_rope(y, heads, w_q, w_k, positions, eps, inv_freq)
     # y [B, T, (HQ + HKV (+ HKV)) * d]: the q|k|v projection output (k only when K = V: then the
     # value heads are the key heads before k_norm); HKV = 0 for KV-shared layers (k, v None)
+    q, kv = norm_rope(y, heads, w_q, w_k, positions, eps, inv_freq, stacked=True)
+    # kv [2B, HKV, T, d]: k's rows, then v's (g4_norm_rope_kv), what a one-buffer static cache
+    # (gemma4_mlx.cache) writes with one scatter
 
 Semantics (kernel, ``norm_rope_reference`` and the tests' oracle), rounding as MLX's ops do: per head
 row x of d elements, n = T(w * T(x * r(x))) (no w for v), r(x) = 1 / sqrt(mean(x^2) + eps) in f32;
@@ -21,6 +24,8 @@ rotates its own pairs.
 
 Family "norm_rope": on by default on CUDA (passed ``pytest -m gpu`` on the H200; E4B decode +12% at
 4K in alternated processes, bench/NOTES.md session 11), opt-in on Metal (not measured there).
+Family "kv_one_write" (opt-in): the stacked form g4_norm_rope_kv, the same body with v written
+after k in one output.
 """
 
 from __future__ import annotations
@@ -76,12 +81,12 @@ _BODY = r"""
       const float theta = pos * inv_freq[i];
       const float c = @COS@(theta);
       const float s = @SIN@(theta);
-      $device T* o = is_q ? q_out : k_out;
+      $device T* o = is_q ? q_out : @K_OUT@;
       o[dst + i] = static_cast<T>(n1 * c - n2 * s);
       o[dst + i + D / 2] = static_cast<T>(n1 * s + n2 * c);
     } else {
-      v_out[dst + i] = static_cast<T>(n1);
-      v_out[dst + i + D / 2] = static_cast<T>(n2);
+      @V_OUT@[dst + i] = static_cast<T>(n1);
+      @V_OUT@[dst + i + D / 2] = static_cast<T>(n2);
     }
   }
 """
@@ -97,8 +102,13 @@ _LOCAL = {
 }  # fmt: skip
 
 
-_NORM_ROPE = KernelSource("g4_norm_rope", ("y", "w_q", "w_k", "positions", "inv_freq", "eps"),
-                          ("q_out", "k_out", "v_out"), emit(_BODY, _HELPERS, _LOCAL))  # fmt: skip
+_INPUTS = ("y", "w_q", "w_k", "positions", "inv_freq", "eps")
+_NORM_ROPE = KernelSource("g4_norm_rope", _INPUTS, ("q_out", "k_out", "v_out"),
+                          emit(_BODY.replace("@K_OUT@", "k_out").replace("@V_OUT@", "v_out"), _HELPERS, _LOCAL))
+# v's rows after k's B * HKV * TQ rows of D
+_V_AFTER_K = "(kv_out + (size_t)y_shape[0] * HKV * TQ * D)"
+_NORM_ROPE_KV = KernelSource("g4_norm_rope_kv", _INPUTS, ("q_out", "kv_out"),
+                             emit(_BODY.replace("@K_OUT@", "kv_out").replace("@V_OUT@", _V_AFTER_K), _HELPERS, _LOCAL))
 
 SIMD_GROUPS = 4
 
@@ -120,8 +130,10 @@ def inverse_frequencies(d: int, base: float | None = None, periods=None) -> np.n
     return (float(base) ** (-np.arange(d // 2) / (d // 2))).astype(np.float32)
 
 
-def _check(y, heads, w_q, w_k, positions, inv_freq) -> tuple[int, int, int, bool]:
+def _check(y, heads, w_q, w_k, positions, inv_freq, stacked: bool = False) -> tuple[int, int, int, bool]:
     hq, hkv, d, k_eq_v = heads
+    if stacked and not hkv:
+        raise ValueError("stacked k|v output needs kv heads (HKV > 0)")
     width = (hq + (1 if k_eq_v else 2) * hkv) * d
     if y.ndim != 3 or y.shape[-1] != width:
         raise ValueError(f"y [B, T, {width}] expected for heads {heads}, got {y.shape}")
@@ -134,11 +146,11 @@ def _check(y, heads, w_q, w_k, positions, inv_freq) -> tuple[int, int, int, bool
     return hq, hkv, d, k_eq_v
 
 
-def norm_rope_reference(y, heads, w_q, w_k, positions, eps: float, inv_freq):
+def norm_rope_reference(y, heads, w_q, w_k, positions, eps: float, inv_freq, stacked: bool = False):
     """MLX ops (what Attention computes without the kernel, with RoPE's periods 1 / inv_freq) ->
-    (q, k, v) [B, heads, T, d] (k, v None when HKV = 0). Positions must be consecutive (MLX's rope
-    takes an offset)."""
-    hq, hkv, d, k_eq_v = _check(y, heads, w_q, w_k, positions, inv_freq)
+    (q, k, v) [B, heads, T, d] (k, v None when HKV = 0), or with ``stacked`` (q, kv), kv = k's rows
+    then v's [2B, HKV, T, d]. Positions must be consecutive (MLX's rope takes an offset)."""
+    hq, hkv, d, k_eq_v = _check(y, heads, w_q, w_k, positions, inv_freq, stacked)
     B, T, _ = y.shape
     rope = dict(base=None, freqs=1.0 / inv_freq)
 
@@ -154,7 +166,8 @@ def norm_rope_reference(y, heads, w_q, w_k, positions, eps: float, inv_freq):
     k_raw = heads_of(y[..., hq * d : (hq + hkv) * d], hkv)
     v_raw = k_raw if k_eq_v else heads_of(y[..., (hq + hkv) * d :], hkv)
     k = rotate(mx.fast.rms_norm(k_raw, w_k, eps))
-    return q, k, mx.fast.rms_norm(v_raw, None, eps).transpose(0, 2, 1, 3)
+    v = mx.fast.rms_norm(v_raw, None, eps).transpose(0, 2, 1, 3)
+    return (q, mx.concatenate([k, v])) if stacked else (q, k, v)
 
 
 def fusable(y, w_q, w_k) -> bool:
@@ -163,25 +176,26 @@ def fusable(y, w_q, w_k) -> bool:
     return y.dtype in (mx.float32, mx.bfloat16) and w_q.dtype == y.dtype and (w_k is None or w_k.dtype == y.dtype)
 
 
-def norm_rope(y, heads, w_q, w_k, positions, eps: float, inv_freq):
+def norm_rope(y, heads, w_q, w_k, positions, eps: float, inv_freq, stacked: bool = False):
     """The module's op: the kernel on GPU builds when `fusable`, ``norm_rope_reference`` otherwise.
     heads = (HQ, HKV, d, k_eq_v); positions int32 [T] (this step's, consecutive); inv_freq float32
-    [d/2] (``inverse_frequencies``)."""
-    hq, hkv, d, k_eq_v = _check(y, heads, w_q, w_k, positions, inv_freq)
+    [d/2] (``inverse_frequencies``). -> (q, k, v), or with ``stacked`` (q, kv [2B, HKV, T, d]: k's
+    rows then v's, g4_norm_rope_kv)."""
+    hq, hkv, d, k_eq_v = _check(y, heads, w_q, w_k, positions, inv_freq, stacked)
     if use_reference() or not fusable(y, w_q, w_k):
-        return norm_rope_reference(y, heads, w_q, w_k, positions, eps, inv_freq)
+        return norm_rope_reference(y, heads, w_q, w_k, positions, eps, inv_freq, stacked)
     B, T, _ = y.shape
     groups = -(-B * T * (hq + 2 * hkv) // SIMD_GROUPS)
-    kv_shape = (B, hkv, T, d) if hkv else (1,)
-    q, k, v = _NORM_ROPE.kernel()(
+    kv_shapes = [(2 * B, hkv, T, d)] if stacked else [(B, hkv, T, d) if hkv else (1,)] * 2
+    q, *kv = (_NORM_ROPE_KV if stacked else _NORM_ROPE).kernel()(
         inputs=[y, w_q, w_k if hkv else w_q, positions, inv_freq, mx.array([eps], dtype=mx.float32)],
         template=template_args(_template(dtype_name(y.dtype), d, hq, hkv, k_eq_v, T)),
         grid=(32 * SIMD_GROUPS * groups, 1, 1),
         threadgroup=(32 * SIMD_GROUPS, 1, 1),
-        output_shapes=[(B, hq, T, d), kv_shape, kv_shape],
-        output_dtypes=[y.dtype] * 3,
+        output_shapes=[(B, hq, T, d), *kv_shapes],
+        output_dtypes=[y.dtype] * (1 + len(kv_shapes)),
     )  # fmt: skip
-    return (q, k, v) if hkv else (q, None, None)
+    return (q, *kv) if hkv else (q, None, None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,7 +239,7 @@ def norm_rope_np(y, heads, w_q, w_k, positions, eps: float, inv_freq, bf16: bool
     return q, norm(k_raw, hkv, w_k, True), norm(v_raw, hkv, None, False)
 
 
-def _case(rng, B, T, hq, hkv, d, k_eq_v, full, dtype, pos0):
+def _case(rng, B, T, hq, hkv, d, k_eq_v, full, dtype, pos0, stacked=False):
     from .registry import KernelCase, bf16_to_f32, f32_to_bf16
 
     bf16 = dtype == "bfloat16"
@@ -243,15 +257,16 @@ def _case(rng, B, T, hq, hkv, d, k_eq_v, full, dtype, pos0):
     heads = (hq, hkv, d, k_eq_v)
     q, k, v = norm_rope_np(y, heads, w_q, w_k, positions, 1e-6, inv, bf16)
     enc = (lambda a: f32_to_bf16(a)) if bf16 else (lambda a: a)
-    kv_shape = (B, hkv, T, d) if hkv else (1,)
+    kv_shapes = [(2 * B, hkv, T, d)] if stacked else [(B, hkv, T, d) if hkv else (1,)] * 2
+    kv = ([np.concatenate([k, v])] if stacked else [k, v]) if hkv else []
     groups = -(-B * T * (hq + 2 * hkv) // SIMD_GROUPS)
     tol = dict(rtol=8e-3, atol=2e-2) if bf16 else dict(rtol=2e-5, atol=2e-5)
     return KernelCase(
         inputs={"y": enc(y), "w_q": enc(w_q), "w_k": enc(w_k), "positions": positions, "inv_freq": inv,
                 "eps": np.array([1e-6], np.float32)},
         template=_template(dtype, d, hq, hkv, k_eq_v, T), grid=(32 * SIMD_GROUPS * groups, 1, 1),
-        threadgroup=(32 * SIMD_GROUPS, 1, 1), output_shapes=[(B, hq, T, d), kv_shape, kv_shape],
-        output_dtypes=[dtype] * 3, expected=[q] + ([k, v] if hkv else []),
+        threadgroup=(32 * SIMD_GROUPS, 1, 1), output_shapes=[(B, hq, T, d), *kv_shapes],
+        output_dtypes=[dtype] * (1 + len(kv_shapes)), expected=[q, *kv],
         input_dtypes={n: "bfloat16" for n in ("y", "w_q", "w_k")} if bf16 else {},
         label=f"B={B} T={T} hq={hq} hkv={hkv} d={d}{' k=v' if k_eq_v else ''}{' full' if full else ''} {dtype}",
         **tol,
@@ -265,9 +280,16 @@ def _cases(rng: np.random.Generator):
             _case(rng, 1, 1, 5, 0, 128, False, True, "float32", 4097)]  # fmt: skip
 
 
+def _stacked_cases(rng: np.random.Generator):
+    return [_case(rng, 1, 1, 8, 2, 128, False, False, "bfloat16", 4095, stacked=True),
+            _case(rng, 2, 3, 2, 1, 128, False, True, "float32", 1000, stacked=True),
+            _case(rng, 1, 2, 3, 1, 64, True, False, "bfloat16", 5, stacked=True)]  # fmt: skip
+
+
 def kernel_specs():
-    """KernelSpec of the norm + RoPE kernel (GQA heads, K = V, q only, proportional RoPE, T > 1)."""
+    """KernelSpecs of the norm + RoPE kernels (GQA heads, K = V, q only, proportional RoPE, T > 1,
+    B > 1; the stacked form's k|v output)."""
     from .registry import KernelSpec
 
-    k = _NORM_ROPE
-    return [KernelSpec(k.name, k.input_names, k.output_names, *k.text["metal"], *k.text["cuda"], _cases)]
+    return [KernelSpec(k.name, k.input_names, k.output_names, *k.text["metal"], *k.text["cuda"], cases)
+            for k, cases in ((_NORM_ROPE, _cases), (_NORM_ROPE_KV, _stacked_cases))]  # fmt: skip

@@ -4,7 +4,8 @@ consumer layers read their producer's K/V within the same forward step and own n
 
 Every cache stores K/V after norm/RoPE as [B, n_kv_heads, capacity, head_dim] plus the absolute
 position held by each slot (-1 for an empty slot), so masks are built from positions, never from
-slot indices, and a ring may hold its slots in any order.
+slot indices, and a ring may hold its slots in any order. A compiled step's static caches may hold
+K and V in one buffer [2B, n_kv_heads, capacity, head_dim], K's rows first (`make_static`).
 """
 
 from __future__ import annotations
@@ -178,6 +179,12 @@ def rollback(cache: list, length: int) -> None:
             c.rollback(length)
 
 
+def value_rows(kv: mx.array) -> mx.array:
+    """V [B, H, S, D] of a one-buffer cache kv [2B, H, S, D] (K's rows, then V's): a view of its
+    last B rows (a slice, not an integer index: MLX 0.32 gathers, a copy, for `kv[1]`)."""
+    return kv[kv.shape[0] // 2 :]
+
+
 def write_slots(buffer: mx.array, update: mx.array, slots: mx.array) -> mx.array:
     """`buffer` [B, H, S, D] with `update` [B, H, T, D] written at slots (int32 [T]) of axis 2.
 
@@ -252,24 +259,62 @@ class StepPosition:
         return self._once(("filled", capacity), lambda: mx.minimum(self.offset, capacity).reshape(1))
 
 
-class StaticKVCache:
+def _one_buffer(keys: mx.array, values: mx.array) -> mx.array:
+    """[2B, H, S, D]: K's rows, then V's."""
+    if keys.shape != values.shape or keys.dtype != values.dtype:
+        raise ValueError(f"one K|V buffer needs K and V alike, got {keys.shape} {keys.dtype} / "
+                         f"{values.shape} {values.dtype}")  # fmt: skip
+    return mx.concatenate([keys, values])
+
+
+class _StaticWrites:
+    """What the two static caches share: the buffers (``values`` None: ``keys`` is one K|V buffer
+    [2B, H, S, D], K's rows then V's, written by one scatter from a stacked update) and the write."""
+
+    def __init__(self, keys: mx.array, values: mx.array | None, step: StepPosition):
+        self.keys, self.values, self.step = keys, values, step
+
+    @property
+    def one_buffer(self) -> bool:
+        """True when K and V live in one buffer: `update` then takes (kv [2B, H, T, D], None)."""
+        return self.values is None
+
+    def _write(self, keys: mx.array, values: mx.array | None, at: mx.array) -> tuple[mx.array, mx.array]:
+        """Write this step's rows at slots `at`; -> the (K, V) attention reads: with one buffer the
+        whole buffer as K (attention reads its first B rows) and a view of its V rows."""
+        if self.one_buffer != (values is None):
+            raise ValueError("a one-buffer cache takes (kv, None), a two-buffer cache (keys, values)")
+        self.keys = write_slots(self.keys, keys, at)
+        if self.one_buffer:
+            return self.keys, value_rows(self.keys)
+        self.values = write_slots(self.values, values, at)
+        return self.keys, self.values
+
+    @property
+    def state(self):
+        return [self.keys] if self.one_buffer else [self.keys, self.values]
+
+
+class StaticKVCache(_StaticWrites):
     """Full-attention cache of fixed capacity for a compiled decode step: its length is a shared
     StepPosition and every update writes slots at that array offset (write_slots), so shapes
     never change."""
 
-    def __init__(self, keys: mx.array, values: mx.array, step: StepPosition):
-        self.keys, self.values, self.step = keys, values, step
-
     @classmethod
-    def from_cache(cls, cache: KVCache, capacity: int, step: StepPosition | None = None) -> "StaticKVCache":
+    def from_cache(cls, cache: KVCache, capacity: int, step: StepPosition | None = None,
+                   one_buffer: bool = False) -> "StaticKVCache":  # fmt: skip
         if cache.keys is None:
             raise ValueError("prefill the cache before making it static")
-        B, H, _, Dk = cache.keys.shape
-        keys = mx.zeros((B, H, capacity, Dk), cache.keys.dtype)
-        values = mx.zeros((B, H, capacity, cache.values.shape[3]), cache.values.dtype)
-        keys[:, :, : cache.offset] = cache.keys[:, :, : cache.offset]
-        values[:, :, : cache.offset] = cache.values[:, :, : cache.offset]
-        return cls(keys, values, step or StepPosition(mx.array(cache.offset, dtype=mx.int32)))
+        n = cache.offset
+
+        def padded(held: mx.array) -> mx.array:  # held [B', H, n, D] -> [B', H, capacity, D]
+            buffer = mx.zeros((*held.shape[:2], capacity, held.shape[3]), held.dtype)
+            buffer[:, :, :n] = held
+            return buffer
+
+        keys, values = cache.keys[:, :, :n], cache.values[:, :, :n]
+        keys, values = (padded(_one_buffer(keys, values)), None) if one_buffer else (padded(keys), padded(values))
+        return cls(keys, values, step or StepPosition(mx.array(n, dtype=mx.int32)))
 
     @property
     def capacity(self) -> int:
@@ -285,36 +330,33 @@ class StaticKVCache:
         off the step position: no arange node per step)."""
         return self.step.slots(t)
 
-    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def update(self, keys: mx.array, values: mx.array | None) -> tuple[mx.array, mx.array, mx.array]:
         T = keys.shape[2]
-        at = self.step.slots(T)
-        self.keys, self.values = write_slots(self.keys, keys, at), write_slots(self.values, values, at)
+        K, V = self._write(keys, values, self.step.slots(T))
         self.step = self.step.advanced(T)
-        return self.keys, self.values, self.step.valid(self.capacity)
+        return K, V, self.step.valid(self.capacity)
 
     @property
     def valid_slots(self) -> mx.array:
         """int32 scalar: slots holding a position (after an update: the ones attention may read)."""
         return self.step.offset
 
-    @property
-    def state(self):
-        return [self.keys, self.values]
 
-
-class StaticRotatingKVCache:
+class StaticRotatingKVCache(_StaticWrites):
     """A RotatingKVCache ring for a compiled decode step (one token per update), its write
     position a shared StepPosition."""
 
-    def __init__(self, keys: mx.array, values: mx.array, step: StepPosition):
-        self.keys, self.values, self.step = keys, values, step
+    def __init__(self, keys: mx.array, values: mx.array | None, step: StepPosition):
+        super().__init__(keys, values, step)
         self.positions = None  # int32 [capacity] after an update
 
     @classmethod
-    def from_cache(cls, cache: RotatingKVCache, step: StepPosition | None = None) -> "StaticRotatingKVCache":
+    def from_cache(cls, cache: RotatingKVCache, step: StepPosition | None = None,
+                   one_buffer: bool = False) -> "StaticRotatingKVCache":  # fmt: skip
         if cache.keys is None:
             raise ValueError("prefill the cache before making it static")
-        return cls(cache.keys, cache.values, step or StepPosition(mx.array(cache.offset, dtype=mx.int32)))
+        buffers = (_one_buffer(cache.keys, cache.values), None) if one_buffer else (cache.keys, cache.values)
+        return cls(*buffers, step or StepPosition(mx.array(cache.offset, dtype=mx.int32)))
 
     @property
     def offset(self) -> mx.array:
@@ -324,27 +366,24 @@ class StaticRotatingKVCache:
         """int32 [t]: the step's t positions (see StaticKVCache.query_positions)."""
         return self.step.slots(t)
 
-    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def update(self, keys: mx.array, values: mx.array | None) -> tuple[mx.array, mx.array, mx.array]:
         if keys.shape[2] != 1:
             raise ValueError("a static ring cache takes one token per step")
         slot, self.positions = self.step.ring(self.keys.shape[2])
-        self.keys, self.values = write_slots(self.keys, keys, slot), write_slots(self.values, values, slot)
+        K, V = self._write(keys, values, slot)
         self.step = self.step.advanced(1)
-        return self.keys, self.values, self.positions
+        return K, V, self.positions
 
     @property
     def valid_slots(self) -> mx.array:
         """int32 [1]: slots holding a position (after an update: the ones attention may read)."""
         return self.step.filled(self.keys.shape[2])
 
-    @property
-    def state(self):
-        return [self.keys, self.values]
 
-
-def make_static(cache: list, capacity: int) -> list:
+def make_static(cache: list, capacity: int, one_buffer: bool = False) -> list:
     """Fixed-shape copies of prefilled caches sharing one StepPosition: full layers get `capacity`
-    slots. Every cache must hold the same number of positions (as after any forward pass)."""
+    slots; with ``one_buffer`` each holds K and V in one buffer (see _StaticWrites). Every cache
+    must hold the same number of positions (as after any forward pass)."""
     lengths = {c.offset for c in cache if c is not None}
     if len(lengths) != 1:
         raise ValueError(f"caches hold different numbers of positions {sorted(lengths)}; a decode step "
@@ -355,7 +394,7 @@ def make_static(cache: list, capacity: int) -> list:
         if c is None:
             out.append(None)
         elif isinstance(c, RotatingKVCache):
-            out.append(StaticRotatingKVCache.from_cache(c, step))
+            out.append(StaticRotatingKVCache.from_cache(c, step, one_buffer))
         else:
-            out.append(StaticKVCache.from_cache(c, capacity, step))
+            out.append(StaticKVCache.from_cache(c, capacity, step, one_buffer))
     return out

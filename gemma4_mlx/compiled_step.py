@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from custom_kernels import use_kernel
+
 from .cache import StepPosition, cache_length, make_static
 
 
 def _flatten(caches: list) -> list[mx.array]:
-    """[the caches' shared position, then each cache's K and V buffers]."""
+    """[the caches' shared position, then each cache's buffers (K and V, or its one K|V buffer)]."""
     live = [c for c in caches if c is not None]
     return [live[0].step.offset, *(a for c in live for a in c.state)]
 
 
 def _rebuild(kinds: list, arrays: list[mx.array]) -> list:
+    """kinds: per layer None or (cache class, number of buffers)."""
     step = StepPosition(arrays[0])
     buffers = iter(arrays[1:])
-    return [None if kind is None else kind(next(buffers), next(buffers), step) for kind in kinds]
+    return [None if kind is None else kind[0](next(buffers), next(buffers) if kind[1] == 2 else None, step)
+            for kind in kinds]  # fmt: skip
 
 
 class CompiledDecoder:
@@ -32,13 +36,15 @@ class CompiledDecoder:
     for full-attention layers (>= the final length; a step past it raises ValueError).
     `decoder(token int32 [1, 1]) -> logits fp32 [1, V]`. On the CPU with the native matvec
     (model.native_head_ready()) the step compiles the body only and the head runs after it.
+    one_buffer: K and V of each cache in one buffer (cache.make_static); default: the kernel family
+    "kv_one_write" is on.
     """
 
-    def __init__(self, model, cache: list, capacity: int):
+    def __init__(self, model, cache: list, capacity: int, one_buffer: bool | None = None):
         self.model = model
-        static = make_static(cache, capacity)
+        static = make_static(cache, capacity, use_kernel("kv_one_write") if one_buffer is None else one_buffer)
         # keep only the cache kinds: holding the first buffers would keep a second copy alive
-        self.kinds = [None if c is None else type(c) for c in static]
+        self.kinds = [None if c is None else (type(c), len(c.state)) for c in static]
         self.state = _flatten(static)
         del static
         mx.eval(self.state)

@@ -149,10 +149,11 @@ class Attention(nn.Module):
         names = ["q_proj"] + ([] if s.kv_shared else ["k_proj"] if s.k_eq_v else ["k_proj", "v_proj"])
         return [self[n](x) for n in names]
 
-    def heads(self, x: mx.array, offset, q_pos: mx.array):
+    def heads(self, x: mx.array, offset, q_pos: mx.array, stacked: bool = False):
         """q [B, heads, T, d] after q_norm and RoPE; k (k_norm, RoPE) and v (v_norm) [B, kv heads,
-        T, d] where this layer computes them, else None. One launch for the norms and RoPE on GPUs
-        (custom_kernels.rope) when the projection output is one array."""
+        T, d] where this layer computes them, else None; with ``stacked`` (q, kv, None), kv = k's
+        rows then v's [2B, kv heads, T, d] (a one-buffer cache's update). One launch for the norms
+        and RoPE on GPUs (custom_kernels.rope) when the projection output is one array."""
         B, T, _ = x.shape
         s = self.spec
         fused = getattr(self, "qkv_proj", None)
@@ -160,9 +161,10 @@ class Attention(nn.Module):
         if one_output and T <= MAX_QUERY_ROWS and use_kernel("norm_rope"):
             y = self.q_proj(x) if s.kv_shared else fused.matvec(x)
             hkv = 0 if s.kv_shared else s.num_kv_heads
-            return norm_rope(y, (s.num_heads, hkv, s.head_dim, s.k_eq_v), self.q_norm.weight,
-                             None if s.kv_shared else self.k_norm.weight, q_pos, self.q_norm.eps,
-                             self._inv_freq)  # fmt: skip
+            out = norm_rope(y, (s.num_heads, hkv, s.head_dim, s.k_eq_v), self.q_norm.weight,
+                            None if s.kv_shared else self.k_norm.weight, q_pos, self.q_norm.eps,
+                            self._inv_freq, stacked=stacked)  # fmt: skip
+            return (*out, None) if stacked else out
         counts = [s.num_heads] + ([] if s.kv_shared else [s.num_kv_heads] * (1 if s.k_eq_v else 2))
         if T == 1 and len(counts) > 1 and fused is not None and fused.intact():
             # one token: the fused output becomes heads once, then one split along the head axis
@@ -174,8 +176,9 @@ class Attention(nn.Module):
         if s.kv_shared:
             return q, None, None
         k = kv[0]
-        v = k if s.k_eq_v else kv[1]
-        return q, self.rope(self.k_norm(k), offset), self.v_norm(v)
+        v = self.v_norm(k if s.k_eq_v else kv[1])
+        k = self.rope(self.k_norm(k), offset)
+        return (q, mx.concatenate([k, v]), None) if stacked else (q, k, v)
 
     def __call__(self, x, offset, q_pos, cache, shared_kv, mask_fn):
         """x [B, T, H] -> [B, T, H]: o_proj(attend(...))."""
@@ -189,7 +192,7 @@ class Attention(nn.Module):
         consumers of this step; consumers read it from there."""
         T = x.shape[1]
         s = self.spec
-        q, k, v = self.heads(x, offset, q_pos)
+        q, k, v = self.heads(x, offset, q_pos, stacked=getattr(cache, "one_buffer", False))
         n_slots = None
         if s.kv_shared:
             keys, values, positions, n_slots = shared_kv[s.type]
@@ -209,6 +212,8 @@ class Attention(nn.Module):
                                    mma=use_kernel("attention_mma"), mma_staged=use_kernel("attention_mma_staged"),
                                    mma8=use_kernel("attention_mma8"))  # fmt: skip
         else:
+            if keys.shape[0] != values.shape[0]:  # a one-buffer cache's: K is its first B rows
+                keys = keys[: values.shape[0]]
             out = _merge_heads(mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0,
                                                                     mask=mask_fn(s, positions)))  # fmt: skip
         return out

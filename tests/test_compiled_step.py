@@ -38,16 +38,18 @@ def test_step_past_capacity_raises(dense_fixture):
         decoder(mx.array([[304]]))
 
 
-def test_one_trace_and_no_cache_copies(dense_fixture):
+@pytest.mark.parametrize("one_buffer", [False, True], ids=["kv_two_buffers", "kv_one_buffer"])
+def test_one_trace_and_no_cache_copies(dense_fixture, one_buffer):
     model = load_hf(dense_fixture.hf_dir, dtype=mx.float32, progress=False)
     ids = probe_ids(40, seed=22, vocab=model.cfg.vocab_size)[0]
     cache = make_cache(model.cfg)
     model(mx.array(ids[None, :8]), cache)
     capacity = 1 << 15
-    decoder = CompiledDecoder(model, cache, capacity=capacity)
+    decoder = CompiledDecoder(model, cache, capacity=capacity, one_buffer=one_buffer)
     for t in range(8, 12):
         mx.eval(decoder(mx.array(ids[None, t : t + 1])))
-    buffer_bytes = max(a.nbytes for a in decoder.state)  # a full-attention layer's K (or V) buffer
+    # a full-attention layer's K (or V) buffer: half of a one K|V buffer
+    buffer_bytes = max(a.nbytes for a in decoder.state) // (2 if one_buffer else 1)
     assert buffer_bytes >= 8 << 20
     mx.reset_peak_memory()
     base = mx.get_active_memory()
@@ -86,6 +88,53 @@ def test_gpu_attention_path_matches(any_fixture, monkeypatch):
     monkeypatch.setattr(model_module, "use_kernel", lambda family: family == "attention")
     kernel_path = run()
     assert np.abs(kernel_path - sdpa).max() <= 1e-5 * np.abs(sdpa).max()
+
+
+@pytest.mark.parametrize("attention_kernel", [False, True], ids=["sdpa", "decode_attention"])
+def test_one_buffer_caches_decode_the_same_bits(any_fixture, monkeypatch, attention_kernel):
+    """K and V in one buffer per cache (one scatter a layer; attention reads the buffer's first B
+    rows as K and a view of the rest as V): the compiled step's logits are bit-identical to two
+    buffers', through the SDPA path and through decode_attention (its reference on CPU), and each
+    owning cache keeps one buffer instead of two."""
+    import gemma4_mlx.model as model_module
+
+    if attention_kernel:
+        monkeypatch.setattr(model_module, "use_kernel", lambda family: family == "attention")
+    model = load_hf(any_fixture.hf_dir, dtype=mx.float32, progress=False)
+    ids = probe_ids(80, seed=24, vocab=model.cfg.vocab_size)[0]
+
+    def run(one_buffer):
+        cache = make_cache(model.cfg)
+        model(mx.array(ids[None, :10]), cache)
+        decoder = CompiledDecoder(model, cache, capacity=96, one_buffer=one_buffer)
+        logits = [np.array(decoder(mx.array(ids[None, t : t + 1]))) for t in range(10, 80)]
+        return np.concatenate(logits), decoder.state
+
+    (two, two_state), (one, one_state) = run(False), run(True)
+    assert np.array_equal(one, two)
+    owners = sum(1 for c in make_cache(model.cfg) if c is not None)
+    assert (len(two_state), len(one_state)) == (1 + 2 * owners, 1 + owners)
+    assert sum(a.nbytes for a in one_state) == sum(a.nbytes for a in two_state)
+
+
+def test_one_buffer_cache_takes_stacked_rows_only():
+    """A one-buffer static cache refuses (keys, values) and a two-buffer one (kv, None): a model
+    path that handed the wrong form would otherwise write K rows into V's half."""
+    from gemma4_mlx.cache import KVCache, make_static
+
+    full = KVCache()
+    full.update(mx.zeros((1, 2, 3, 4)), mx.ones((1, 2, 3, 4)))
+    (one,) = make_static([full], capacity=8, one_buffer=True)
+    assert one.one_buffer and one.keys.shape == (2, 2, 8, 4)
+    assert np.array_equal(np.array(one.keys[1, :, :3]), np.ones((2, 3, 4)))  # V's rows after K's
+    with pytest.raises(ValueError, match="one-buffer"):
+        one.update(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))
+    (two,) = make_static([full], capacity=8)
+    with pytest.raises(ValueError, match="one-buffer"):
+        two.update(mx.zeros((2, 2, 1, 4)), None)
+    keys, values, _ = one.update(mx.concatenate([mx.full((1, 2, 1, 4), 5.0), mx.full((1, 2, 1, 4), 7.0)]), None)
+    assert keys.shape == (2, 2, 8, 4) and values.shape == (1, 2, 8, 4)
+    assert np.array(values)[0, :, 3].tolist() == [[7.0] * 4] * 2 and np.array(keys)[0, :, 3].tolist() == [[5.0] * 4] * 2
 
 
 def test_static_ring_positions_match_the_ring_including_after_rollback():

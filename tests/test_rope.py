@@ -30,6 +30,22 @@ def test_reference_matches_oracle(heads, full, pos0):
             assert np.allclose(np.array(g), w, rtol=1e-4, atol=1e-4)
 
 
+def test_stacked_reference_is_k_then_v():
+    """norm_rope(stacked=True) on CPU (its reference): q, and k's rows then v's in one array."""
+    rng = np.random.default_rng(5)
+    heads = (4, 2, 64, False)
+    y = mx.array(rng.standard_normal((2, 3, 8 * 64)).astype(np.float32))
+    w, pos = mx.array(rng.uniform(0.5, 2, 64).astype(np.float32)), mx.arange(7, 10, dtype=mx.int32)
+    inv = mx.array(rope.inverse_frequencies(64, base=1e4))
+    q, k, v = rope.norm_rope(y, heads, w, w, pos, 1e-6, inv)
+    q2, kv = rope.norm_rope(y, heads, w, w, pos, 1e-6, inv, stacked=True)
+    assert kv.shape == (4, 2, 3, 64)
+    assert np.array_equal(np.array(kv), np.concatenate([np.array(k), np.array(v)]))
+    assert np.array_equal(np.array(q2), np.array(q))
+    with pytest.raises(ValueError, match="kv heads"):
+        rope.norm_rope(mx.zeros((1, 1, 128)), (2, 0, 64, False), w, None, pos[:1], 1e-6, inv, stacked=True)
+
+
 def test_errors():
     y, w, pos = mx.zeros((1, 1, 3 * 64)), mx.ones((64,)), mx.array([0], dtype=mx.int32)
     inv = mx.array(rope.inverse_frequencies(64, base=1e4))

@@ -74,3 +74,25 @@ def test_outputs_fully_written():
     for a, b in zip(out, again):
         a32, b32 = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
         assert not np.isnan(a32).any() and np.array_equal(a32, b32)
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[1]])
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 3)])
+def test_stacked_kernel_equals_the_three_outputs(shape, B, T):
+    """g4_norm_rope_kv (the kv_one_write family's: k's rows then v's in one [2B, HKV, T, d]
+    output) gives g4_norm_rope's bits, every element written (outputs poisoned with NaN first)."""
+    hq, hkv, d, k_eq_v, full = shape
+    rng = np.random.default_rng(hq + d + B)
+    y = mx.array(rng.standard_normal((B, T, (hq + (1 if k_eq_v else 2) * hkv) * d)).astype(np.float32) * 2)
+    y = y.astype(mx.bfloat16)
+    w_q, w_k = (mx.array(rng.uniform(0.3, 2, d).astype(np.float32)).astype(mx.bfloat16) for _ in range(2))
+    inv = mx.array(rope.inverse_frequencies(d, periods=_periods(d)) if full else rope.inverse_frequencies(d, base=1e4))
+    pos = mx.arange(4000, 4000 + T, dtype=mx.int32)
+    mx.eval(mx.full((1 << 24,), float("nan"), mx.bfloat16))  # freed memory the outputs may reuse
+    q, k, v = rope.norm_rope(y, (hq, hkv, d, k_eq_v), w_q, w_k, pos, 1e-6, inv)
+    q2, kv = rope.norm_rope(y, (hq, hkv, d, k_eq_v), w_q, w_k, pos, 1e-6, inv, stacked=True)
+    assert kv.shape == (2 * B, hkv, T, d)
+    want = np.array(mx.concatenate([k, v]).astype(mx.float32))
+    got = np.array(kv.astype(mx.float32))
+    assert not np.isnan(got).any()
+    assert np.array_equal(got, want) and np.array_equal(np.array(q2.astype(mx.float32)), np.array(q.astype(mx.float32)))
