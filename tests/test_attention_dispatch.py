@@ -26,8 +26,9 @@ EXPECTED = {
 }
 
 
-def _launches(graph_count, monkeypatch, cfg, context: int) -> list[str]:
-    """Names of the kernels one uncompiled decode step of `cfg` launches (stand-ins, in call order)."""
+def _launches(graph_count, monkeypatch, cfg, context: int, one_buffer: bool = False) -> list[str]:
+    """Names of the kernels one uncompiled decode step of `cfg` launches (stand-ins, in call order);
+    one_buffer: the caches' K and V in one buffer (kv_one_write)."""
     from gemma4_mlx.cache import make_static
 
     model, cache = graph_count._model_and_caches(cfg, context, True)  # pretends CUDA sm_90 first
@@ -46,12 +47,12 @@ def _launches(graph_count, monkeypatch, cfg, context: int) -> list[str]:
     import custom_kernels
 
     custom_kernels.clear_kernel_cache()
-    caches = make_static(cache, -(-(context + 8) // 256) * 256)
+    caches = make_static(cache, -(-(context + 8) // 256) * 256, one_buffer)
     mx.eval(model.model(mx.array([[3]], mx.int32), caches))
     return calls
 
 
-def _attention_launches(graph_count, monkeypatch, name: str) -> list[str]:
+def _preset_launches(graph_count, monkeypatch, name: str, one_buffer: bool = False) -> list[str]:
     import decode
 
     from gemma4_mlx.config import FULL, SLIDING
@@ -62,7 +63,11 @@ def _attention_launches(graph_count, monkeypatch, name: str) -> list[str]:
                               enable_moe_block=False, hidden_size_per_layer_input=0)  # fmt: skip
     spec = {s.type: (s.num_heads, s.num_kv_heads, s.head_dim, s.sliding_window) for s in cfg.layers}
     assert spec == {s.type: (s.num_heads, s.num_kv_heads, s.head_dim, s.sliding_window) for s in preset.layers}
-    return [c for c in _launches(graph_count, monkeypatch, cfg, 4096) if c.startswith("g4_attn")]
+    return _launches(graph_count, monkeypatch, cfg, 4096, one_buffer)
+
+
+def _attention_launches(graph_count, monkeypatch, name: str) -> list[str]:
+    return [c for c in _preset_launches(graph_count, monkeypatch, name) if c.startswith("g4_attn")]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -94,3 +99,14 @@ def test_attention_kernels_below_hopper(graph_count, monkeypatch):
     assert _attention_launches(graph_count, monkeypatch, "12B") == [
         "g4_attn_decode", "g4_attn_decode_mma", "g4_attn_decode_merge_wide"]  # fmt: skip
     assert _attention_launches(graph_count, monkeypatch, "31B") == ["g4_attn_decode", *EXPECTED["31B"][1]]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_one_buffer_caches_launch_the_same_attention_kernels(graph_count, monkeypatch, name):
+    """kv_one_write's caches (K and V in one buffer; attention gets the whole buffer as K and a view
+    as V): the same attention kernels as two buffers, and norm_rope's stacked form g4_norm_rope_kv
+    instead of the three-output g4_norm_rope."""
+    sliding, full = EXPECTED[name]
+    calls = _preset_launches(graph_count, monkeypatch, name, one_buffer=True)
+    assert [c for c in calls if c.startswith("g4_attn")] == sliding + full
+    assert calls.count("g4_norm_rope_kv") == 2 and "g4_norm_rope" not in calls
