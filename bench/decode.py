@@ -551,7 +551,8 @@ class OursEngine:
         return step
 
     def memory_probe(self) -> dict:
-        return dict(cache_buffer_bytes=max(a.nbytes for a in self.decoder.state),
+        one_kv = max(a.nbytes for a in self.decoder.state) // (2 if self.decoder.one_buffer else 1)
+        return dict(cache_buffer_bytes=one_kv,  # one K or V buffer (half of a one-buffer cache's)
                     step_peak_growth_bytes=step_memory_growth(self.full_step(), mx.array([3], mx.int32)))
 
     def variants(self, n: int, extra: int, run) -> dict:

@@ -117,7 +117,7 @@ def step_counts(cfg, context: int, fused: bool = True) -> dict:
     from gemma4_mlx.cache import make_static
 
     model, cache = _model_and_caches(cfg, context, fused)
-    caches = make_static(cache, -(-(context + 8) // 256) * 256)
+    caches = make_static(cache, -(-(context + 8) // 256) * 256, custom_kernels.use_kernel("kv_one_write"))
     mx.eval([c.state for c in caches if c is not None])  # the buffers' setup is not part of a step
     hidden = model.model(mx.array([[3]], mx.int32), caches)[:, -1, :]
     body = count([hidden], dict(_FAST_CALLS))

@@ -56,9 +56,10 @@ KNOBS = ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_USE_CUDA_GRAPHS
 
 def primitive_counts(model, cfg, n: int) -> dict:
     """Primitives in one uncompiled decode step's graph (token -> final hidden state), by name."""
+    from custom_kernels import use_kernel
     from gemma4_mlx.cache import make_static
 
-    caches = make_static(decode.ours_cache(cfg, n), -(-(n + 8) // 256) * 256)
+    caches = make_static(decode.ours_cache(cfg, n), -(-(n + 8) // 256) * 256, use_kernel("kv_one_write"))
     mx.eval([c.state for c in caches if c is not None])  # the buffers' setup is not part of a step
     out = model.model(mx.array([[3]], mx.int32), caches)
     with tempfile.NamedTemporaryFile("r", suffix=".dot") as fh:

@@ -1700,7 +1700,8 @@ def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, position
                      merged: bool = False, counters: mx.array | None = None,
                      staged: bool = False, mma: bool = False, mma_staged: bool = False,
                      mma8: bool = False) -> mx.array:  # fmt: skip
-    """Attention of q [B, n_q, M, D] over whole cache buffers [B, n_kv, S, D] -> [B, n_q, M, D], or
+    """Attention of q [B, n_q, M, D] over whole cache buffers [B, n_kv, S, D] (K also one K|V
+    buffer [2B, n_kv, S, D], of which only the first B rows are read) -> [B, n_q, M, D], or
     with ``merged`` [B, M, n_q * D] (each row's heads side by side, what the output projection
     reads; at M = 1 the kernel writes that shape directly, without a reshape node).
 

@@ -259,12 +259,10 @@ class StepPosition:
         return self._once(("filled", capacity), lambda: mx.minimum(self.offset, capacity).reshape(1))
 
 
-def _one_buffer(keys: mx.array, values: mx.array) -> mx.array:
-    """[2B, H, S, D]: K's rows, then V's."""
+def _one_buffer_check(keys: mx.array, values: mx.array) -> None:
     if keys.shape != values.shape or keys.dtype != values.dtype:
         raise ValueError(f"one K|V buffer needs K and V alike, got {keys.shape} {keys.dtype} / "
                          f"{values.shape} {values.dtype}")  # fmt: skip
-    return mx.concatenate([keys, values])
 
 
 class _StaticWrites:
@@ -282,8 +280,10 @@ class _StaticWrites:
     def _write(self, keys: mx.array, values: mx.array | None, at: mx.array) -> tuple[mx.array, mx.array]:
         """Write this step's rows at slots `at`; -> the (K, V) attention reads: with one buffer the
         whole buffer as K (attention reads its first B rows) and a view of its V rows."""
-        if self.one_buffer != (values is None):
-            raise ValueError("a one-buffer cache takes (kv, None), a two-buffer cache (keys, values)")
+        rows = self.keys.shape[0]
+        if self.one_buffer != (values is None) or keys.shape[0] != rows or (values is not None and values.shape[0] != rows):
+            raise ValueError(f"a one-buffer cache takes (kv [{rows}, ...], None), a two-buffer cache (keys, values) "
+                             f"of {rows} rows each; got {keys.shape} / {None if values is None else values.shape}")  # fmt: skip
         self.keys = write_slots(self.keys, keys, at)
         if self.one_buffer:
             return self.keys, value_rows(self.keys)
@@ -306,14 +306,20 @@ class StaticKVCache(_StaticWrites):
         if cache.keys is None:
             raise ValueError("prefill the cache before making it static")
         n = cache.offset
+        keys, values = cache.keys[:, :, :n], cache.values[:, :, :n]
 
-        def padded(held: mx.array) -> mx.array:  # held [B', H, n, D] -> [B', H, capacity, D]
-            buffer = mx.zeros((*held.shape[:2], capacity, held.shape[3]), held.dtype)
-            buffer[:, :, :n] = held
+        def padded(*held: mx.array) -> mx.array:  # held [B, H, n, D] each -> their rows in [*, H, capacity, D]
+            B, H, _, D = held[0].shape
+            buffer = mx.zeros((len(held) * B, H, capacity, D), held[0].dtype)
+            for i, a in enumerate(held):
+                buffer[i * B : (i + 1) * B, :, :n] = a
             return buffer
 
-        keys, values = cache.keys[:, :, :n], cache.values[:, :, :n]
-        keys, values = (padded(_one_buffer(keys, values)), None) if one_buffer else (padded(keys), padded(values))
+        if one_buffer:
+            _one_buffer_check(keys, values)
+            keys, values = padded(keys, values), None
+        else:
+            keys, values = padded(keys), padded(values)
         return cls(keys, values, step or StepPosition(mx.array(n, dtype=mx.int32)))
 
     @property
@@ -331,6 +337,8 @@ class StaticKVCache(_StaticWrites):
         return self.step.slots(t)
 
     def update(self, keys: mx.array, values: mx.array | None) -> tuple[mx.array, mx.array, mx.array]:
+        """Write keys / values [B, H, T, D] (one buffer: (kv [2B, H, T, D], None)) at the step's
+        slots -> (K, V, positions) for attention (one buffer: K the whole buffer, V a view)."""
         T = keys.shape[2]
         K, V = self._write(keys, values, self.step.slots(T))
         self.step = self.step.advanced(T)
@@ -355,8 +363,11 @@ class StaticRotatingKVCache(_StaticWrites):
                    one_buffer: bool = False) -> "StaticRotatingKVCache":  # fmt: skip
         if cache.keys is None:
             raise ValueError("prefill the cache before making it static")
-        buffers = (_one_buffer(cache.keys, cache.values), None) if one_buffer else (cache.keys, cache.values)
-        return cls(*buffers, step or StepPosition(mx.array(cache.offset, dtype=mx.int32)))
+        keys, values = cache.keys, cache.values
+        if one_buffer:  # [2B, H, C, D]: K's rows, then V's
+            _one_buffer_check(keys, values)
+            keys, values = mx.concatenate([keys, values]), None
+        return cls(keys, values, step or StepPosition(mx.array(cache.offset, dtype=mx.int32)))
 
     @property
     def offset(self) -> mx.array:
@@ -367,6 +378,7 @@ class StaticRotatingKVCache(_StaticWrites):
         return self.step.slots(t)
 
     def update(self, keys: mx.array, values: mx.array | None) -> tuple[mx.array, mx.array, mx.array]:
+        """One token's rows, as StaticKVCache.update, at the ring slot of the step's position."""
         if keys.shape[2] != 1:
             raise ValueError("a static ring cache takes one token per step")
         slot, self.positions = self.step.ring(self.keys.shape[2])

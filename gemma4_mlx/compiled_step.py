@@ -22,10 +22,10 @@ def _flatten(caches: list) -> list[mx.array]:
 
 
 def _rebuild(kinds: list, arrays: list[mx.array]) -> list:
-    """kinds: per layer None or (cache class, number of buffers)."""
+    """kinds: per layer None or (cache class, one_buffer)."""
     step = StepPosition(arrays[0])
     buffers = iter(arrays[1:])
-    return [None if kind is None else kind[0](next(buffers), next(buffers) if kind[1] == 2 else None, step)
+    return [None if kind is None else kind[0](next(buffers), None if kind[1] else next(buffers), step)
             for kind in kinds]  # fmt: skip
 
 
@@ -36,15 +36,16 @@ class CompiledDecoder:
     for full-attention layers (>= the final length; a step past it raises ValueError).
     `decoder(token int32 [1, 1]) -> logits fp32 [1, V]`. On the CPU with the native matvec
     (model.native_head_ready()) the step compiles the body only and the head runs after it.
-    one_buffer: K and V of each cache in one buffer (cache.make_static); default: the kernel family
-    "kv_one_write" is on.
+    one_buffer: K and V of each cache in one buffer (cache.make_static); default
+    `use_kernel("kv_one_write")`.
     """
 
     def __init__(self, model, cache: list, capacity: int, one_buffer: bool | None = None):
         self.model = model
-        static = make_static(cache, capacity, use_kernel("kv_one_write") if one_buffer is None else one_buffer)
+        self.one_buffer = use_kernel("kv_one_write") if one_buffer is None else one_buffer
+        static = make_static(cache, capacity, self.one_buffer)
         # keep only the cache kinds: holding the first buffers would keep a second copy alive
-        self.kinds = [None if c is None else (type(c), len(c.state)) for c in static]
+        self.kinds = [None if c is None else (type(c), c.one_buffer) for c in static]
         self.state = _flatten(static)
         del static
         mx.eval(self.state)

@@ -189,7 +189,8 @@ class Attention(nn.Module):
         positions held before this step (int, or the int32 array of a compiled step), q_pos: int32
         [T] this step's positions (offset + 0..T-1, computed once per step by TextModel). Owners
         update `cache` and publish (K, V, positions, n_slots) in shared_kv[type] for the KV-shared
-        consumers of this step; consumers read it from there."""
+        consumers of this step (K may be a one-buffer cache's whole K|V buffer, [2B, ...], and V a
+        view of its last B rows); consumers read it from there."""
         T = x.shape[1]
         s = self.spec
         q, k, v = self.heads(x, offset, q_pos, stacked=getattr(cache, "one_buffer", False))

@@ -117,9 +117,36 @@ def test_one_buffer_caches_decode_the_same_bits(any_fixture, monkeypatch, attent
     assert sum(a.nbytes for a in one_state) == sum(a.nbytes for a in two_state)
 
 
+def test_one_buffer_caches_through_fused_projections(any_fixture, monkeypatch):
+    """The same with the GPU weight format (q8_0 blocks: q|k|v one fused projection), where the
+    heads come from norm_rope's stacked form (its reference on CPU) instead of MLX's split heads."""
+    import gemma4_mlx.model as model_module
+    from gemma4_mlx.checkpoint import load_gguf
+
+    monkeypatch.setattr(model_module, "use_kernel", lambda family: family in ("norm_rope", "attention"))
+    model, _ = load_gguf(any_fixture.gguf("q8_0"), dtype=mx.float32, progress=False, weight_format="blocks")
+    stacked = []
+    real_norm_rope = model_module.norm_rope
+    monkeypatch.setattr(model_module, "norm_rope", lambda *a, **kw: stacked.append(kw["stacked"]) or real_norm_rope(*a, **kw))
+    ids = probe_ids(40, seed=25, vocab=model.cfg.vocab_size)[0]
+
+    def run(one_buffer):
+        cache = make_cache(model.cfg)
+        model(mx.array(ids[None, :8]), cache)
+        decoder = CompiledDecoder(model, cache, capacity=64, one_buffer=one_buffer)
+        return np.concatenate([np.array(decoder(mx.array(ids[None, t : t + 1]))) for t in range(8, 40)])
+
+    two = run(False)
+    assert stacked and not any(stacked)  # norm_rope ran (prefill's 8 tokens and each step), unstacked
+    stacked.clear()
+    one = run(True)
+    assert True in stacked, "the stacked norm_rope branch did not run"  # the steps' (prefill: unstacked)
+    assert np.array_equal(one, two)
+
+
 def test_one_buffer_cache_takes_stacked_rows_only():
-    """A one-buffer static cache refuses (keys, values) and a two-buffer one (kv, None): a model
-    path that handed the wrong form would otherwise write K rows into V's half."""
+    """A one-buffer static cache refuses (keys, values) and K's rows alone, a two-buffer one (kv,
+    None): a model path that handed the wrong form would otherwise write K rows into V's half."""
     from gemma4_mlx.cache import KVCache, make_static
 
     full = KVCache()
@@ -132,9 +159,36 @@ def test_one_buffer_cache_takes_stacked_rows_only():
     (two,) = make_static([full], capacity=8)
     with pytest.raises(ValueError, match="one-buffer"):
         two.update(mx.zeros((2, 2, 1, 4)), None)
+    with pytest.raises(ValueError, match="one-buffer"):  # K's rows alone would broadcast into V's half
+        one.update(mx.zeros((1, 2, 1, 4)), None)
     keys, values, _ = one.update(mx.concatenate([mx.full((1, 2, 1, 4), 5.0), mx.full((1, 2, 1, 4), 7.0)]), None)
     assert keys.shape == (2, 2, 8, 4) and values.shape == (1, 2, 8, 4)
     assert np.array(values)[0, :, 3].tolist() == [[7.0] * 4] * 2 and np.array(keys)[0, :, 3].tolist() == [[5.0] * 4] * 2
+
+
+def test_one_buffer_layout_with_two_sequences():
+    """B = 2: a one-buffer full cache and ring hold K's two rows, then V's; attention's K, V after
+    an update equal the two-buffer caches' (K's first B rows, V's view)."""
+    from gemma4_mlx.cache import KVCache, RotatingKVCache, make_static
+
+    rng = np.random.default_rng(6)
+
+    def kv(t):
+        return tuple(mx.array(rng.standard_normal((2, 3, t, 4)).astype(np.float32)) for _ in range(2))
+
+    full, ring = KVCache(), RotatingKVCache(4, 2)
+    for c, prompt in ((full, kv(5)), (ring, kv(5))):
+        c.update(*prompt)
+    ones, twos = make_static([full, ring], capacity=8, one_buffer=True), make_static([full, ring], capacity=8)
+    for one, two in zip(ones, twos):
+        assert one.keys.shape[0] == 4
+        assert np.array_equal(np.array(one.keys[:2]), np.array(two.keys))
+        assert np.array_equal(np.array(one.keys[2:]), np.array(two.values))
+        k, v = kv(1)
+        K1, V1, P1 = one.update(mx.concatenate([k, v]), None)
+        K2, V2, P2 = two.update(k, v)
+        assert np.array_equal(np.array(K1[:2]), np.array(K2)) and np.array_equal(np.array(V1), np.array(V2))
+        assert np.array_equal(np.array(P1), np.array(P2))
 
 
 def test_static_ring_positions_match_the_ring_including_after_rollback():
