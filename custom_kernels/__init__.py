@@ -23,7 +23,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .dialect import compact_text, prune_helpers
+from .dialect import compact_text, prune_helpers, short_names
 
 __all__ = ["backend", "use_reference", "use_kernel", "get_kernel", "mlx_kernel_name", "clear_kernel_cache",
            "KernelSource", "MX_DTYPES", "cuda_arch", "dtype_name", "template_args", "KERNELS_ENV", "KERNELS_OFF_ENV", "UNPROVEN_ENV", "KERNEL_TEXT_ENV",
@@ -49,7 +49,10 @@ text as written (readable in MLX's PTX cache directory, which keeps each module'
 tests/test_metal_compile.py checks that nvcc emits the same PTX for all three forms of every kernel.
 In one process on the H200 (session 22) ``pruned`` ran a 26B-A4B step with 3.75 against 4.07 ms of
 host time per token (267.1 against 244.3 tok/s, ahead in 3 of 3 rounds), an E4B step with 4.66 against
-4.82 ms (ahead in 4 of 5 rounds; its tok/s medians, 200.7 against 208.3, within that machine's spread)."""
+4.82 ms (ahead in 4 of 5 rounds; its tok/s medians, 200.7 against 208.3, within that machine's spread).
+``short`` (opt-in, not yet measured on a GPU): ``pruned`` with ``dialect.short_names`` (the names
+the text declares shortened, its most repeated words as macros: ~18% fewer bytes again over the
+registry); nvcc emits the same PTX for it too."""
 
 UNPROVEN_ENV = "GEMMA4_MLX_UNPROVEN_KERNELS"
 """Comma-separated op families the model uses only when named here: families not on by default,
@@ -312,8 +315,8 @@ def get_kernel(
     which = backend()
     header, source = metal if which == "metal" else cuda
     text_form = os.environ.get(KERNEL_TEXT_ENV, "").strip() or "pruned"
-    if text_form not in ("compact", "full", "pruned"):
-        raise ValueError(f"{KERNEL_TEXT_ENV} must be 'compact', 'full' or 'pruned', got {text_form!r}")
+    if text_form not in ("compact", "full", "pruned", "short"):
+        raise ValueError(f"{KERNEL_TEXT_ENV} must be 'compact', 'full', 'pruned' or 'short', got {text_form!r}")
     key = (which, name, input_names, output_names, header, source, cuda_shared_memory, text_form)
     kernel = _kernel_cache.get(key)
     if kernel is not None:
@@ -323,8 +326,10 @@ def get_kernel(
             header, source = compact_text(header), compact_text(source)
         except ValueError as exc:
             raise ValueError(f"kernel {name!r}: {exc}") from None
-        if text_form == "pruned":
+        if text_form in ("pruned", "short"):
             header = prune_helpers(header, source)
+        if text_form == "short":
+            header, source = short_names(header, source, (*input_names, *output_names))
     mlx_name = mlx_kernel_name(name, header, source)
     if which == "metal":
         kernel = mx.fast.metal_kernel(

@@ -38,6 +38,7 @@ so index small inputs directly rather than binding them to ``$device`` pointers)
 
 from __future__ import annotations
 
+import itertools
 import re
 
 DIALECTS = ("metal", "cuda")
@@ -335,3 +336,121 @@ def prune_helpers(header: str, source: str) -> str:
                 used |= set(_IDENT_RE.findall(item))
                 grew = True
     return "".join(item for item, name in zip(items, names) if name is None or name in kept)
+
+
+_KEYWORDS = frozenset("""alignas alignof asm auto bool break case catch char class const constexpr const_cast
+continue decltype default delete do double dynamic_cast else enum explicit extern false float for friend goto if
+inline int long mutable namespace new noexcept nullptr operator private protected public register reinterpret_cast
+return short signed sizeof static static_assert static_cast struct switch template this throw true try typedef
+typeid typename union unsigned using virtual void volatile while""".split())
+
+_NOT_TYPES = _KEYWORDS - frozenset("auto bool char const constexpr double float int long short signed unsigned void "
+                                   "volatile".split())  # fmt: skip
+"""Words before an identifier that do not make it a declaration (``return x;`` declares nothing)."""
+
+_CUDA_NAMES = frozenset({"threadIdx", "blockIdx", "blockDim", "gridDim", "warpSize", "inf"})
+"""Names CUDA (or MLX's wrapper: ``inf``) defines that a text may use as if it declared them."""
+
+_TOKEN_RE = re.compile(r"""#[^\n]*|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'|[A-Za-z_][A-Za-z0-9_]*|\d[\w.]*|::|->|\S""")
+
+
+def _declarations(tokens: list[str], keep: set[str], known: frozenset = frozenset()) -> tuple[list[str], set[str]]:
+    """(names declared in `tokens`: an identifier after a type word, then `=`, `;`, `,`, `[`, `(`,
+    `)` or `:`; the ones declared at brace depth 0 and followed by `(`: functions), adding to `keep`
+    the names that must stay (see short_names), among them a name used before the text declares it
+    (not `known`): that use names something else (a template argument an inner scope shadows)."""
+    declared, functions, tpl, braces, early = [], set(), 0, 0, set()
+    for i, tok in enumerate(tokens):
+        prev = tokens[i - 1] if i else ""
+        nxt = tokens[i + 1] if i + 1 < len(tokens) else ""
+        if tok.startswith("#"):
+            keep.update(_IDENT_RE.findall(tok))
+            continue
+        braces += {"{": 1, "}": -1}.get(tok, 0)
+        if prev == "template" and tok == "<":
+            tpl = 1
+            continue
+        if tpl:  # inside a template parameter list
+            tpl += {"<": 1, ">": -1}.get(tok, 0)
+            if _IDENT_RE.fullmatch(tok):
+                keep.add(tok)
+            continue
+        if not _IDENT_RE.fullmatch(tok) or tok in _KEYWORDS:
+            continue
+        if prev in (".", "->", "::") or nxt == "::" or tok.startswith("__"):
+            keep.add(tok)
+        elif _IDENT_RE.fullmatch(prev) and prev not in _NOT_TYPES and nxt in ("=", ";", ",", "[", "(", ")", ":"):
+            declared.append(tok)
+            if braces == 0 and nxt == "(":
+                functions.add(tok)
+        elif tok not in declared and tok not in known:
+            early.add(tok)
+    keep |= early & set(declared)
+    return declared, functions
+
+
+def short_names(header: str, source: str, keep: tuple[str, ...] = ()) -> tuple[str, str]:
+    """``header`` and ``source`` (compacted, as ``compact_text`` gives them) with short names for
+    the ones the text declares (the kernel body's locals, the helper functions, the helpers' own
+    locals and parameters where the body does not name them), the same in both, and the words the
+    text repeats most as macros where that saves bytes. Never renamed: `keep` (MLX's names for the
+    kernel's inputs and outputs), names in preprocessor lines or template parameter lists, members
+    (after ``.`` / ``->``), names beside ``::``, names starting with ``__``, keywords and CUDA's
+    built-in variables; MLX's template arguments are never declared by the text. The compiler sees
+    the same program: nvcc emits the same PTX (tests/test_metal_compile.py)."""
+    head_tokens, body_tokens = _TOKEN_RE.findall(header), _TOKEN_RE.findall(source)
+    keep_set = set(_CUDA_NAMES) | set(keep) | {n + sfx for n in keep for sfx in ("_shape", "_strides", "_ndim")}
+    head_declared, functions = _declarations(head_tokens, keep_set)
+    body_declared, _ = _declarations(body_tokens, keep_set, frozenset(head_declared))
+    body_names = {t for t in body_tokens if _IDENT_RE.fullmatch(t)}
+    declared = body_declared + [n for n in head_declared
+                                if n in functions or n in body_declared or n not in body_names]  # fmt: skip
+    used = {t for t in head_tokens + body_tokens if _IDENT_RE.fullmatch(t)}
+    rename: dict[str, str] = {}
+    fresh = (f"z{n:x}" for n in itertools.count())
+    for name in dict.fromkeys(declared):
+        if name in keep_set or len(name) <= 2:
+            continue
+        new = next(fresh)
+        while new in used:
+            new = next(fresh)
+        rename[name] = new
+
+    def sub(text: str) -> str:  # identifiers only: spacing, literals and directives stay as they are
+        return _TOKEN_RE.sub(lambda m: rename.get(m.group(0), m.group(0)), text)
+
+    header, source = sub(header), sub(source)
+    # the words the texts repeat most, each a macro where that saves bytes
+    code = re.compile(r"""#[^\n]*|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'|[^#"']+""")
+    used |= set(rename.values())
+    defines = []
+    for word in _MACRO_WORDS:
+        pattern = re.compile(r"(?<![A-Za-z0-9_])" + re.escape(word) + r"(?![A-Za-z0-9_])")
+        if word == _UNROLL:  # holds a string literal: counted (and replaced) as plain text
+            hits = header.count(word) + source.count(word)
+        else:
+            hits = sum(len(pattern.findall(m.group(0))) for t in (header, source) for m in code.finditer(t)
+                       if m.group(0)[0] not in "#\"'")  # fmt: skip
+        new = next(fresh)
+        while new in used:
+            new = next(fresh)
+        line = f"#define {new} {word}\n"
+        if hits * (len(word) - len(new)) <= len(line):
+            continue
+        used.add(new)
+        defines.append(line)
+        if word == _UNROLL:
+            header, source = header.replace(word, new), source.replace(word, new)
+            continue
+
+        def macro(text: str, pattern=pattern, new=new) -> str:
+            return code.sub(lambda m: m.group(0) if m.group(0)[0] in "#\"'" else pattern.sub(new, m.group(0)), text)
+
+        header, source = macro(header), macro(source)
+    return "".join(defines) + header, source
+
+
+_UNROLL = '_Pragma("unroll")'
+_MACRO_WORDS = ("__device__ __forceinline__", "reinterpret_cast", _UNROLL, "static_cast", "const", "uint32_t",
+                "__uint_as_float", "__shfl_xor_sync", "__syncthreads", "constexpr", "unsigned", "uint8_t",
+                "threadIdx", "size_t", "float", "return", "__nv_bfloat16", "__ldg", "__shared__")  # fmt: skip

@@ -283,10 +283,10 @@ def test_compact_cuda_text_compiles_to_the_same_ptx(tmp_path: Path):
     GPU runs that pinned the text cover the compact form too."""
     import dataclasses
 
-    from custom_kernels.dialect import compact_text, prune_helpers
+    from custom_kernels.dialect import compact_text, prune_helpers, short_names
 
     groups = _cuda_spec_groups(tmp_path)
-    sources, pruned_groups = [], []
+    sources, pruned_groups, pruned_keys = [], [], []
     for i, specs in enumerate(groups):
         compact = [dataclasses.replace(s, cuda_header=compact_text(s.cuda_header), cuda_source=compact_text(s.cuda_source))
                    for s in specs]  # fmt: skip
@@ -301,7 +301,13 @@ def test_compact_cuda_text_compiles_to_the_same_ptx(tmp_path: Path):
         for g, (pruned_header, ks) in enumerate(by_pruned.items()):
             forms.append((f"pruned{g}", [dataclasses.replace(compact[k], cuda_header=pruned_header) for k in ks]))
             forms.append((f"single{g}", [specs[k] for k in ks]))
+            for k in ks:  # short: one kernel per unit (its names are shortened with its own body)
+                h, src = short_names(pruned_header, compact[k].cuda_source, (*specs[k].input_names, *specs[k].output_names))
+                assert len(h) + len(src) < len(pruned_header) + len(compact[k].cuda_source)
+                forms.append((f"short{g}_{k}", [dataclasses.replace(compact[k], cuda_header=h, cuda_source=src)]))
+                forms.append((f"one{g}_{k}", [specs[k]]))
         pruned_groups.append(len(by_pruned))
+        pruned_keys.append(list(by_pruned.items()))
         for form, group in forms:
             src = tmp_path / f"kernels_{i}_{form}.cu"
             src.write_text(cuda_text(group))
@@ -318,4 +324,15 @@ def test_compact_cuda_text_compiles_to_the_same_ptx(tmp_path: Path):
         assert ".entry" in full and ptx(i, "compact") == full, f"kernels_{i}: the compact text compiles differently"
         for g in range(pruned_groups[i]):
             assert ptx(i, f"pruned{g}") == ptx(i, f"single{g}"), f"kernels_{i}, group {g}: the pruned text compiles differently"
+        for k in range(len(groups[i])):
+            g = next(g for g, (_, ks) in enumerate(pruned_keys[i]) if k in ks)
+            short, one = (_symbols_in_order(ptx(i, f"{form}{g}_{k}")) for form in ("short", "one"))
+            assert short == one, f"{groups[i][k].name}: the short text compiles differently"
+
+
+def _symbols_in_order(ptx: str) -> str:
+    """`ptx` with each mangled symbol named by its order of first appearance: the short text
+    renames shared-memory arrays, whose names PTX keeps."""
+    order: dict[str, str] = {}
+    return re.sub(r"_Z\w+", lambda m: order.setdefault(m.group(0), f"_SYM{len(order)}"), ptx)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import re
+
 import numpy as np
 import pytest
 
@@ -471,7 +473,7 @@ def test_kernel_names_carry_a_digest_of_their_text(monkeypatch):
 def test_cuda_kernels_get_their_text_compacted(monkeypatch):
     """On CUDA, MLX gets the text without comments, indentation and uncalled helpers (its name
     digests that text); GEMMA4_MLX_KERNEL_TEXT=compact keeps the helpers, full hands the text as
-    written, anything else is refused. Metal keeps it."""
+    written, short renames what the text declares, anything else is refused. Metal keeps it."""
     header, source = "// helpers\n  inline float two() { return 2.0f; }\n", "  /* body */ b[0] = a[0] * two();  // twice\n"
     three = "inline float three() { return 3.0f; }\n"
     seen = []
@@ -490,6 +492,8 @@ def test_cuda_kernels_get_their_text_compacted(monkeypatch):
         monkeypatch.setenv(custom_kernels.KERNEL_TEXT_ENV, "compact")
         custom_kernels.get_kernel("g4_k", ("a",), ("b",), ("", "metal"), (header + three, source))
         monkeypatch.setenv(custom_kernels.KERNEL_TEXT_ENV, "short")
+        custom_kernels.get_kernel("g4_k", ("a",), ("b",), ("", "metal"), (header + three, source))
+        monkeypatch.setenv(custom_kernels.KERNEL_TEXT_ENV, "tiny")
         with pytest.raises(ValueError, match="GEMMA4_MLX_KERNEL_TEXT must be"):
             custom_kernels.get_kernel("g4_k", ("a",), ("b",), ("", "metal"), (header, source))
         monkeypatch.setenv(custom_kernels.KERNEL_TEXT_ENV, "compact")
@@ -502,7 +506,9 @@ def test_cuda_kernels_get_their_text_compacted(monkeypatch):
     assert seen[0] == (custom_kernels.mlx_kernel_name("g4_k", *pruned), *pruned)
     assert seen[1] == (custom_kernels.mlx_kernel_name("g4_k", header + three, source), header + three, source)
     assert seen[2] == (custom_kernels.mlx_kernel_name("g4_k", *compact), *compact)
-    assert len(seen) == 3  # "pruned" is the default form: the cached kernel object serves it
+    short = ("inline float z0() { return 2.0f; }\n", "b[0] = a[0] * z0();\n")  # two() renamed, a and b kept
+    assert seen[3] == (custom_kernels.mlx_kernel_name("g4_k", *short), *short)
+    assert len(seen) == 4  # "pruned" is the default form: the cached kernel object serves it
     monkeypatch.setattr(custom_kernels, "backend", lambda: "metal")
     monkeypatch.setattr(mx.fast, "metal_kernel", stand_in, raising=False)
     monkeypatch.delenv(custom_kernels.KERNEL_TEXT_ENV)
@@ -510,7 +516,7 @@ def test_cuda_kernels_get_their_text_compacted(monkeypatch):
         custom_kernels.get_kernel("g4_k", ("a",), ("b",), (header, source), ("", "cuda"))
     finally:
         custom_kernels.clear_kernel_cache()
-    assert seen[3] == (custom_kernels.mlx_kernel_name("g4_k", header, source), header, source)
+    assert seen[4] == (custom_kernels.mlx_kernel_name("g4_k", header, source), header, source)
 
 
 def test_compact_text_keeps_tokens_lines_and_literals():
@@ -657,6 +663,29 @@ def test_prune_helpers_keeps_what_the_kernel_reaches():
     other = dialect.prune_helpers(header, "out[0] = g4_by_struct(p) + g4_name()[0];")
     assert "g4_by_struct(" in other and 'return "}{;"' in other and "struct g4_pair" in other
     assert "g4_used" not in other and "g4_inner" not in other and "g4_unused" not in other
+
+
+def test_short_names_rename_only_what_the_text_declares():
+    header = (
+        "#define G4_TWO 2.0f\n"
+        "__device__ __forceinline__ float g4_twice(float value, int count) { return value * G4_TWO + count; }\n"
+        "struct g4_pair { float first; };\n"
+    )
+    source = (
+        "const int width = x_shape[0] * NSG;\n"  # NSG: a template argument, used before the
+        "if (width > 0) { constexpr int NSG = 4; out[0] = g4_twice(x[0], NSG); }\n"  # shadowing
+        "g4_pair pair; pair.first = 1.0f; float first = pair.first;\n"
+        "const char* label = \"width value\"; out[1] = g4_twice(first, width) + threadIdx.x;\n"
+    )
+    h, src = dialect.short_names(header, source, ("x", "out"))
+    assert len(h) + len(src) < len(header) + len(source)
+    for kept in ("x_shape", "NSG", "out[0]", "x[0]", ".first", "G4_TWO", "threadIdx", '"width value"', "g4_pair"):
+        assert kept in h + src, kept
+    for renamed in ("g4_twice", "value", "count", "width", "pair"):
+        assert not re.search(rf"(?<![\w\"]){renamed}(?![\w\"])", h + src.replace('"width value"', "")), renamed
+    assert "char* label" in src  # a pointer declaration: not recognised, so kept (a shorter text only)
+    helper = re.search(r"float (\w+)\(float", h).group(1)  # the body calls the helper by its new name
+    assert src.count(helper + "(") == 2
 
 
 def test_bf16_bit_helpers():
