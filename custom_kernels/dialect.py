@@ -342,11 +342,14 @@ _KEYWORDS = frozenset("""alignas alignof asm auto bool break case catch char cla
 continue decltype default delete do double dynamic_cast else enum explicit extern false float for friend goto if
 inline int long mutable namespace new noexcept nullptr operator private protected public register reinterpret_cast
 return short signed sizeof static static_assert static_cast struct switch template this throw true try typedef
-typeid typename union unsigned using virtual void volatile while""".split())
+typeid typename union unsigned using virtual void volatile while and and_eq bitand bitor compl not not_eq or or_eq
+xor xor_eq""".split())
 
 _NOT_TYPES = _KEYWORDS - frozenset("auto bool char const constexpr double float int long short signed unsigned void "
                                    "volatile".split())  # fmt: skip
 """Words before an identifier that do not make it a declaration (``return x;`` declares nothing)."""
+
+_QUALIFIERS = frozenset({"const", "volatile", "unsigned", "signed"})
 
 _CUDA_NAMES = frozenset({"threadIdx", "blockIdx", "blockDim", "gridDim", "warpSize", "inf"})
 """Names CUDA (or MLX's wrapper: ``inf``) defines that a text may use as if it declared them."""
@@ -379,7 +382,8 @@ def _declarations(tokens: list[str], keep: set[str], known: frozenset = frozense
             continue
         if prev in (".", "->", "::") or nxt == "::" or tok.startswith("__"):
             keep.add(tok)
-        elif _IDENT_RE.fullmatch(prev) and prev not in _NOT_TYPES and nxt in ("=", ";", ",", "[", "(", ")", ":"):
+        elif (_IDENT_RE.fullmatch(prev) and prev not in _NOT_TYPES and nxt in ("=", ";", ",", "[", "(", ")", ":")
+              and not (nxt == ")" and prev in _QUALIFIERS)):  # `(const uint32_t)v` casts  # fmt: skip
             declared.append(tok)
             if braces == 0 and nxt == "(":
                 functions.add(tok)
@@ -403,9 +407,13 @@ def short_names(header: str, source: str, keep: tuple[str, ...] = ()) -> tuple[s
     head_declared, functions = _declarations(head_tokens, keep_set)
     body_declared, _ = _declarations(body_tokens, keep_set, frozenset(head_declared))
     body_names = {t for t in body_tokens if _IDENT_RE.fullmatch(t)}
+    # helper functions only by this codebase's prefix: a header function named like a CUDA or MLX
+    # one, or like a template argument, may be what some body's call means
     declared = body_declared + [n for n in head_declared
-                                if n in functions or n in body_declared or n not in body_names]  # fmt: skip
-    used = {t for t in head_tokens + body_tokens if _IDENT_RE.fullmatch(t)}
+                                if (n in functions and n.startswith("g4")) or n in body_declared
+                                or (n not in functions and n not in body_names)]  # fmt: skip
+    used = keep_set | {t for t in head_tokens + body_tokens if _IDENT_RE.fullmatch(t)}
+    used |= {name for tok in head_tokens + body_tokens if tok.startswith("#") for name in _IDENT_RE.findall(tok)}
     rename: dict[str, str] = {}
     fresh = (f"z{n:x}" for n in itertools.count())
     for name in dict.fromkeys(declared):
@@ -440,7 +448,8 @@ def short_names(header: str, source: str, keep: tuple[str, ...] = ()) -> tuple[s
         used.add(new)
         defines.append(line)
         if word == _UNROLL:
-            header, source = header.replace(word, new), source.replace(word, new)
+            glued = re.compile(re.escape(word) + r"(?=[A-Za-z0-9_])")  # `_Pragma("unroll")for`
+            header, source = (glued.sub(new + " ", t).replace(word, new) for t in (header, source))
             continue
 
         def macro(text: str, pattern=pattern, new=new) -> str:

@@ -474,7 +474,7 @@ def test_cuda_kernels_get_their_text_compacted(monkeypatch):
     """On CUDA, MLX gets the text without comments, indentation and uncalled helpers (its name
     digests that text); GEMMA4_MLX_KERNEL_TEXT=compact keeps the helpers, full hands the text as
     written, short renames what the text declares, anything else is refused. Metal keeps it."""
-    header, source = "// helpers\n  inline float two() { return 2.0f; }\n", "  /* body */ b[0] = a[0] * two();  // twice\n"
+    header, source = "// helpers\n  inline float g4_two() { return 2.0f; }\n", "  /* body */ b[0] = a[0] * g4_two();  // twice\n"
     three = "inline float three() { return 3.0f; }\n"
     seen = []
 
@@ -501,12 +501,12 @@ def test_cuda_kernels_get_their_text_compacted(monkeypatch):
             custom_kernels.get_kernel("g4_bad", ("a",), ("b",), ("", "metal"), ("", "b[0] = a[0]; /* open"))
     finally:
         custom_kernels.clear_kernel_cache()
-    pruned = ("inline float two() { return 2.0f; }\n", "b[0] = a[0] * two();\n")  # three() dropped
+    pruned = ("inline float g4_two() { return 2.0f; }\n", "b[0] = a[0] * g4_two();\n")  # three() dropped
     compact = (pruned[0] + three, pruned[1])
     assert seen[0] == (custom_kernels.mlx_kernel_name("g4_k", *pruned), *pruned)
     assert seen[1] == (custom_kernels.mlx_kernel_name("g4_k", header + three, source), header + three, source)
     assert seen[2] == (custom_kernels.mlx_kernel_name("g4_k", *compact), *compact)
-    short = ("inline float z0() { return 2.0f; }\n", "b[0] = a[0] * z0();\n")  # two() renamed, a and b kept
+    short = ("inline float z0() { return 2.0f; }\n", "b[0] = a[0] * z0();\n")  # g4_two() renamed, a and b kept
     assert seen[3] == (custom_kernels.mlx_kernel_name("g4_k", *short), *short)
     assert len(seen) == 4  # "pruned" is the default form: the cached kernel object serves it
     monkeypatch.setattr(custom_kernels, "backend", lambda: "metal")
@@ -686,6 +686,11 @@ def test_short_names_rename_only_what_the_text_declares():
     assert "char* label" in src  # a pointer declaration: not recognised, so kept (a shorter text only)
     helper = re.search(r"float (\w+)\(float", h).group(1)  # the body calls the helper by its new name
     assert src.count(helper + "(") == 2
+    # not renamed: a helper without the g4 prefix (it may mean a CUDA or MLX function), a cast's
+    # type after `const`, alternative operator words
+    h, src = dialect.short_names("__device__ float fmaxf2(float a) { return a; }\n",
+                                 "out[0] = fmaxf2((const uint32_t)x[0]) + (not flag_value);\n", ("x", "out"))
+    assert "fmaxf2" in h and "fmaxf2" in src and "(const uint32_t)" in src and "flag_value" in src
 
 
 def test_bf16_bit_helpers():
