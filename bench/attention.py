@@ -10,7 +10,8 @@ g4_attn_decode_merge_wide) at each of MMA_GEOMETRIES; plus mx.fast.scaled_dot_pr
 the valid K/V (what mlx-lm runs) and over the whole capacity with the mask (what a fixed-shape step
 could run). Times are GPU kernel time per call from a CUPTI trace (torch.profiler;
 bench/gpu_timeline.py): wall-clock time of back-to-back calls is MLX's host cost per op at these
-sizes (~25 us whatever the geometry), so it is printed but not used. Caches rotate over >= 8 sets (>= 512 MiB) so the L2 cannot serve them.
+sizes (~25 us whatever the geometry), so it is printed but not used. Caches rotate over >= 8 sets
+(>= 512 MiB) so the L2 cannot serve them.
 
     python bench/attention.py [--models 31B,26B-A4B,12B,E4B] [--contexts 4096,32768] [--geometries default]
         [--mma-geometries mma,mma_t528] [--quick]

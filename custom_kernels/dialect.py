@@ -354,7 +354,9 @@ _QUALIFIERS = frozenset({"const", "volatile", "unsigned", "signed"})
 _CUDA_NAMES = frozenset({"threadIdx", "blockIdx", "blockDim", "gridDim", "warpSize", "inf"})
 """Names CUDA (or MLX's wrapper: ``inf``) defines that a text may use as if it declared them."""
 
-_TOKEN_RE = re.compile(r"""#[^\n]*|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'|[A-Za-z_][A-Za-z0-9_]*|\d[\w.]*|::|->|\S""")
+_OPAQUE = r"""#[^\n]*|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'"""  # a directive line, a string or char literal
+_TOKEN_RE = re.compile(_OPAQUE + r"|[A-Za-z_][A-Za-z0-9_]*|\d[\w.]*|::|->|\S")
+_CODE_RE = re.compile(_OPAQUE + r"""|[^#"']+""")  # opaque pieces, and the code between them
 
 
 def _declarations(tokens: list[str], keep: set[str], known: frozenset = frozenset()) -> tuple[list[str], set[str]]:
@@ -429,7 +431,6 @@ def short_names(header: str, source: str, keep: tuple[str, ...] = ()) -> tuple[s
 
     header, source = sub(header), sub(source)
     # the words the texts repeat most, each a macro where that saves bytes
-    code = re.compile(r"""#[^\n]*|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'|[^#"']+""")
     used |= set(rename.values())
     defines = []
     for word in _MACRO_WORDS:
@@ -437,7 +438,7 @@ def short_names(header: str, source: str, keep: tuple[str, ...] = ()) -> tuple[s
         if word == _UNROLL:  # holds a string literal: counted (and replaced) as plain text
             hits = header.count(word) + source.count(word)
         else:
-            hits = sum(len(pattern.findall(m.group(0))) for t in (header, source) for m in code.finditer(t)
+            hits = sum(len(pattern.findall(m.group(0))) for t in (header, source) for m in _CODE_RE.finditer(t)
                        if m.group(0)[0] not in "#\"'")  # fmt: skip
         new = next(fresh)
         while new in used:
@@ -453,7 +454,7 @@ def short_names(header: str, source: str, keep: tuple[str, ...] = ()) -> tuple[s
             continue
 
         def macro(text: str, pattern=pattern, new=new) -> str:
-            return code.sub(lambda m: m.group(0) if m.group(0)[0] in "#\"'" else pattern.sub(new, m.group(0)), text)
+            return _CODE_RE.sub(lambda m: m.group(0) if m.group(0)[0] in "#\"'" else pattern.sub(new, m.group(0)), text)
 
         header, source = macro(header), macro(source)
     return "".join(defines) + header, source
