@@ -63,7 +63,7 @@ PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "samplin
                     "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                     "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
                     "router_fused", "attention_fused", "quant_matvec_tiles", "attention_mma",
-                    "attention_mma8", "attention_mma_staged"})  # fmt: skip
+                    "attention_mma8", "attention_mma_staged", "kv_one_write"})  # fmt: skip
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
@@ -134,23 +134,29 @@ g4_attn_decode_mma_staged, CUDA on Hopper; after attention_mma8, it takes the 16
 real shapes and the model-level test of the compiled step in session 29 and became a CUDA default
 (Hopper) there: 12B's full layer at 32K 114 -> 72 us per call (partial + merge), at 4K 43 -> 34;
 in one process 12B at 32K 144.1 against 139.2 tok/s (session 28, 2 of 2 rounds) and 149.8 against
-145.8 (session 29, 2 of 3), at 4K equal (151.5 against 151.7: host-bound).
+145.8 (session 29, 2 of 3), at 4K equal (151.5 against 151.7: host-bound); "kv_one_write" (a
+compiled decode step's static caches hold K and V in one buffer [2B, H, S, D], written by one
+scatter per layer from custom_kernels.rope's stacked g4_norm_rope_kv output; attention reads the
+whole buffer as K, its first B rows, and a view of the rest as V: a layer's two cache scatters
+become one scatter and one view) passed its registry cases, its operator test against
+g4_norm_rope, compute-sanitizer memcheck and racecheck and the model tests (bit-equal logits to two
+buffers) in sessions 30-31 and became a CUDA default in session 31 (in one process at 4K: 26B-A4B
+279.8 against 251.0 tok/s, 3 of 3 rounds, and 203.6 against 177.4, 5 of 5; E2B 194.1 against
+178.0, 3 of 3; 12B 161.1 against 148.4 and E4B 221.0 / 222.6 against 216.6 / 215.2, 2 of 3 each;
+31B equal, GPU-bound: 89.7 against 91.7 at 4K, 88.1 against 87.7 at 32K).
 The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                        "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
                        "router_fused", "attention_fused", "quant_matvec_tiles", "attention_mma",
-                       "attention_mma8", "attention_mma_staged"})  # fmt: skip
+                       "attention_mma8", "attention_mma_staged", "kv_one_write"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"matvec_norm", "attention_staged", "kv_one_write"})
+OPT_IN = frozenset({"matvec_norm", "attention_staged", "embedding"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
-"kv_one_write" (a compiled decode step's static caches hold K and V in one buffer [2B, H, S, D],
-written by one scatter per layer from custom_kernels.rope's stacked g4_norm_rope_kv output;
-attention reads the whole buffer as K, its first B rows, and a view of the rest as V: a layer's
-two cache scatters become one scatter and one view): its registry cases and part of its GPU tests
-passed in session 30, and in one process at 4K 26B-A4B read 279.8 against 251.0 tok/s (ahead in 3
-of 3 rounds), E4B 221.0 against 216.6; opt-in until the rest of its ladder runs;
+"embedding" (a token embedding row gathered, dequantized from its Q8_0 / Q4_0 blocks and scaled
+in one launch, custom_kernels.embedding: one graph node for the ~14 of MLX ops, twice per E-series
+token): written in session 31, passed the Metal emulator; not yet run on a GPU;
 "attention_staged" (the one-launch decode attention with each tile's K and V rows bulk-copied
 into shared memory before the query rows load, custom_kernels.attention's g4_attn_decode_staged,
 CUDA on Hopper only; used where "attention_fused" is): bit-equal to the one launch and passed

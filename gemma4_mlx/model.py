@@ -78,6 +78,15 @@ class ExpertLinear(nn.Module):
         return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices)
 
 
+def scaled_embedding(table, tokens: mx.array, scale: float) -> mx.array:
+    """table(tokens) * scale [..., H], the scale rounded to the table's dtype as in HF (a
+    BlockEmbedding does both in one launch where it can)."""
+    if hasattr(table, "scaled"):
+        return table.scaled(tokens, scale)
+    e = table(tokens)
+    return e * mx.array(scale, dtype=mx.float32).astype(e.dtype)
+
+
 def _split_even(a: mx.array, n: int, most: int = 10) -> list[mx.array]:
     """a [..., n * D] -> n arrays [..., D] through Split nodes of at most `most` outputs each: MLX
     makes a split into more than 10 parts n Slice nodes (E4B's 42 per-layer inputs: 42 nodes of a
@@ -394,16 +403,14 @@ class TextModel(nn.Module):
 
     def embed(self, tokens: mx.array) -> mx.array:
         """Scaled token embeddings [B, T, H]; the scale is rounded to the weight dtype as in HF."""
-        e = self.embed_tokens(tokens)
-        return e * mx.array(self.cfg.hidden_size ** 0.5, dtype=mx.float32).astype(e.dtype)
+        return scaled_embedding(self.embed_tokens, tokens, self.cfg.hidden_size ** 0.5)
 
     def per_layer_inputs(self, tokens: mx.array, h: mx.array) -> list[mx.array]:
         """PLE inputs (§4.1) from token ids and the scaled embeddings h: one [B, T, D] per layer
         (one split node for all of them, not a slice and a squeeze per layer)."""
         cfg = self.cfg
         L, D = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
-        t = self.embed_tokens_per_layer(tokens)
-        t = t * mx.array(D ** 0.5, dtype=mx.float32).astype(t.dtype)
+        t = scaled_embedding(self.embed_tokens_per_layer, tokens, D ** 0.5)
         p = self.per_layer_model_projection(h) * (cfg.hidden_size ** -0.5)
         p = self.per_layer_projection_norm(p.reshape(*h.shape[:-1], L, D))
         ple = (p + t.reshape(*tokens.shape, L, D)) * (2.0 ** -0.5)
