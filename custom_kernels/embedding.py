@@ -16,7 +16,8 @@ step, and a host-bound step (E4B: two tables per token) pays them all; the kerne
 Kernel (one body for Metal and CUDA, custom_kernels.dialect): one thread per output element; a
 token id outside [0, V) gives a row of NaN instead of reading past the table.
 
-Family "embedding": opt-in (not yet run on a GPU).
+Family "embedding": opt-in. Bit-equal to the reference on the H200 (session 31); E4B at 4K in one
+process 256.1 against 252.0 tok/s, ahead in 1 of 3 rounds: no gain shown yet.
 """
 
 from __future__ import annotations
