@@ -62,6 +62,10 @@ _EMBED = KernelSource("g4_embed_rows", ("blocks", "tokens", "scale"), ("out",), 
 
 _FORMATS = {Q8_0: True, Q4_0: False}
 
+MAX_TOKENS = 65535
+"""Tokens one launch takes (the grid's y, which CUDA caps at 65535); longer calls, prefill only,
+take the reference (the kernel saves host time per decode step, not GPU time)."""
+
 
 def _threads(k: int) -> int:
     """Threads per threadgroup: the largest of 256 / 128 / 64 / 32 dividing k (a whole grid)."""
@@ -89,21 +93,28 @@ def embed_rows_reference(blocks: mx.array, tokens: mx.array, ggml_type: int, k: 
     return e * mx.array(scale, dtype=mx.float32).astype(dtype)
 
 
+def _rounded(scale: float, dtype) -> float:
+    """`scale` rounded to dtype (f32 or bf16, nearest even), computed here rather than as graph nodes."""
+    from .registry import bf16_to_f32, f32_to_bf16
+
+    v = np.array([scale], np.float32)
+    return float((bf16_to_f32(f32_to_bf16(v)) if dtype == mx.bfloat16 else v)[0])
+
+
 def embedding_supported(ggml_type: int, dtype) -> bool:
     """True when the kernel computes what the reference does: Q8_0 / Q4_0 rows, f32 or bf16 out."""
     return ggml_type in _FORMATS and dtype in (mx.float32, mx.bfloat16)
 
 
 def embed_rows(blocks: mx.array, tokens: mx.array, ggml_type: int, k: int, scale: float, dtype) -> mx.array:
-    """The op: the kernel where family "embedding" is on and `embedding_supported`, else the
-    reference. -> [*tokens.shape, k] in dtype."""
+    """The op: the kernel where family "embedding" is on and `embedding_supported`, for 1 to
+    MAX_TOKENS tokens; else the reference. -> [*tokens.shape, k] in dtype."""
     _check(blocks, tokens, ggml_type, k)
-    if not (use_kernel("embedding") and embedding_supported(ggml_type, dtype)):
+    n = tokens.size
+    if not (use_kernel("embedding") and embedding_supported(ggml_type, dtype) and 0 < n <= MAX_TOKENS):
         return embed_rows_reference(blocks, tokens, ggml_type, k, scale, dtype)
-    rounded = mx.array(scale, dtype=mx.float32).astype(dtype).astype(mx.float32).reshape(1)
-    n = max(tokens.size, 1)
     (out,) = _EMBED.kernel()(
-        inputs=[blocks, tokens, rounded],
+        inputs=[blocks, tokens, mx.array([_rounded(scale, dtype)], mx.float32)],  # a constant: no graph node
         template=template_args(_template(dtype_name(dtype), k, _FORMATS[ggml_type])),
         grid=(k, n, 1),
         threadgroup=(_threads(k), 1, 1),

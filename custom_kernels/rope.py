@@ -25,8 +25,8 @@ rotates its own pairs.
 Family "norm_rope": on by default on CUDA (passed ``pytest -m gpu`` on the H200; E4B decode +12% at
 4K in alternated processes, bench/NOTES.md session 11), opt-in on Metal (not measured there).
 Family "kv_one_write": the stacked form g4_norm_rope_kv, the same body with v written after k in
-one output; on by default on CUDA (passed ``pytest -m gpu``, bench/NOTES.md sessions 30-31), opt-in
-on Metal.
+one output; on by default on CUDA (its registry cases, operator test, compute-sanitizer and the
+model tests passed on the H200, bench/NOTES.md sessions 30-31), opt-in on Metal.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ tests/test_embedding_gpu.py)."""
 
 from __future__ import annotations
 
+import types
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -89,3 +91,28 @@ def test_model_embeddings_unchanged_on_the_reference_path():
         want = e * mx.array(scale, dtype=mx.float32).astype(e.dtype)
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32)))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_kernels_scale_is_rounded_as_mlx_rounds_it(dtype):
+    """The kernel gets the scale rounded on the host (a constant, not graph nodes): the value MLX's
+    cast gives, for the scales Gemma 4 uses (sqrt of every hidden and per-layer width)."""
+    for width in (256, 1536, 2560, 2816, 3840, 5376):
+        want = mx.array(width**0.5, dtype=mx.float32).astype(dtype).astype(mx.float32).item()
+        assert embedding._rounded(width**0.5, dtype) == want
+
+
+def test_empty_and_very_long_token_arrays_take_the_reference(monkeypatch):
+    """No launch for zero tokens (it would write past an empty output) or for more tokens than a
+    launch's grid takes: the kernel is never called, here where a call would raise."""
+    def no_kernel(*a, **k):
+        raise AssertionError("the kernel was called")
+
+    monkeypatch.setattr(embedding, "use_kernel", lambda family: True)
+    monkeypatch.setattr(embedding, "_EMBED", types.SimpleNamespace(kernel=no_kernel))
+    blocks = mx.array(random_blocks(np.random.default_rng(0), Q8_0, (4,), 64))
+    assert embedding.embed_rows(blocks, mx.zeros((1, 0), mx.int32), Q8_0, 64, 8.0, mx.bfloat16).shape == (1, 0, 64)
+    long = mx.zeros((embedding.MAX_TOKENS + 1,), mx.int32)
+    assert embedding.embed_rows(blocks, long, Q8_0, 64, 8.0, mx.bfloat16).shape == (embedding.MAX_TOKENS + 1, 64)
+    with pytest.raises(AssertionError, match="kernel was called"):
+        embedding.embed_rows(blocks, mx.zeros((3,), mx.int32), Q8_0, 64, 8.0, mx.bfloat16)
