@@ -360,6 +360,43 @@ def test_mma_kernel_long_context_and_empty():
 
 @pytest.mark.skipif(custom_kernels.backend() != "cuda" or custom_kernels.cuda_arch() < at.MMA_ARCH,
                     reason="g4_attn_decode_mma needs CUDA sm_80+")  # fmt: skip
+def _mma_geometry_model(full_kv_heads: int):
+    """(cfg, bf16 model, 88 token ids): 12B's attention geometry (sliding layers D = 256, 16 query
+    on 8 kv heads; a full layer D = 512, 16 query heads on `full_kv_heads`, K = V), random weights."""
+    from gemma4_mlx.config import FULL, SLIDING, ModelConfig
+    from gemma4_mlx.model import Model
+
+    cfg = ModelConfig(hidden_size=512, num_hidden_layers=4, intermediate_size=1024, num_attention_heads=16,
+                      num_key_value_heads=8, num_global_key_value_heads=full_kv_heads, attention_k_eq_v=True,
+                      layer_types=[SLIDING, SLIDING, SLIDING, FULL], vocab_size=1024, head_dim=256,
+                      global_head_dim=512, sliding_window=32, max_position_embeddings=4096)  # fmt: skip
+    mx.random.seed(27)
+    model = Model(cfg)
+    model.set_dtype(mx.bfloat16)
+    return cfg, model, mx.array(np.random.default_rng(27).integers(0, cfg.vocab_size, 88, dtype=np.int32))
+
+
+@pytest.mark.parametrize("full_kv_heads", [1, 2])
+def test_one_buffer_caches_under_the_tensor_core_kernels(full_kv_heads):
+    """kv_one_write under the default tensor-core attention (the full layer at 16 rows per kv head:
+    g4_attn_decode_mma_staged on Hopper, at 8: g4_attn_decode_mma8, reading K's first B rows of the
+    [2B, ...] buffer and V through a view): the compiled step's logits over 48 teacher-forced tokens
+    are bit-equal to two cache buffers'."""
+    from gemma4_mlx.cache import make_cache
+    from gemma4_mlx.compiled_step import CompiledDecoder
+
+    cfg, model, ids = _mma_geometry_model(full_kv_heads)
+
+    def logits(one_buffer: bool) -> np.ndarray:
+        cache = make_cache(cfg)
+        mx.eval(model(ids[None, :40], cache))
+        decoder = CompiledDecoder(model, cache, capacity=4096, one_buffer=one_buffer)
+        assert decoder.one_buffer is one_buffer
+        return np.stack([np.array(decoder(ids[None, t : t + 1]).astype(mx.float32))[0] for t in range(40, 88)])
+
+    np.testing.assert_array_equal(logits(True), logits(False))
+
+
 @pytest.mark.parametrize("variant, full_kv_heads", [("mma", 1), ("mma", 2), ("mma_staged", 1), ("mma8", 2)])
 def test_mma_kernel_in_the_compiled_step(monkeypatch, variant, full_kv_heads):
     """A bf16 model with 12B's attention geometry (sliding layers D = 256, 16 query on 8 kv heads;
@@ -373,19 +410,10 @@ def test_mma_kernel_in_the_compiled_step(monkeypatch, variant, full_kv_heads):
     greedy token wherever the top two logits are further apart than the largest difference."""
     from gemma4_mlx.cache import make_cache
     from gemma4_mlx.compiled_step import CompiledDecoder
-    from gemma4_mlx.config import FULL, SLIDING, ModelConfig
-    from gemma4_mlx.model import Model
 
     if variant == "mma_staged" and custom_kernels.cuda_arch() < at.STAGED_ARCH:
         pytest.skip("the staged form needs Hopper (bulk copies)")
-    cfg = ModelConfig(hidden_size=512, num_hidden_layers=4, intermediate_size=1024, num_attention_heads=16,
-                      num_key_value_heads=8, num_global_key_value_heads=full_kv_heads, attention_k_eq_v=True,
-                      layer_types=[SLIDING, SLIDING, SLIDING, FULL], vocab_size=1024, head_dim=256,
-                      global_head_dim=512, sliding_window=32, max_position_embeddings=4096)  # fmt: skip
-    mx.random.seed(27)
-    model = Model(cfg)
-    model.set_dtype(mx.bfloat16)
-    ids = mx.array(np.random.default_rng(27).integers(0, cfg.vocab_size, 88, dtype=np.int32))
+    cfg, model, ids = _mma_geometry_model(full_kv_heads)
     capacity = 4096
     assert at.mma_supported("bfloat16", "bfloat16", 16, full_kv_heads, 1, 512)
     assert not at.fused_supported(at.plan_decode(1, 16, full_kv_heads, 1, capacity, 512, "bfloat16", "bfloat16", None)), (
