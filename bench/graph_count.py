@@ -9,11 +9,12 @@ whose outputs are one `Depends` primitive on all the kernel's inputs (counted as
 Nothing is evaluated; the graph of one uncompiled step (token -> final hidden state, and the head)
 is exported with mx.export_to_dot and counted by primitive name.
 
-    python bench/graph_count.py [--model 31B] [--layers 6] [--context 64] [--unfused] [--compiled] [--out counts.json]
+    python bench/graph_count.py [--model 31B] [--layers 6] [--context 64] [--unfused] [--compiled [--kernels]] [--out counts.json]
 
 --compiled counts instead the step gemma4_mlx.compiled_step.CompiledDecoder replays per token (after
 mx.compile's fusion of elementwise ops: what a decode step evaluates) and times its replays here
-(the stand-in kernels cost almost nothing, so on a CPU build that time is mostly host work).
+(the stand-in kernels cost almost nothing, so on a CPU build that time is mostly host work);
+--kernels also prints the custom kernels it launches, in order (the JSON's "kernels").
 """
 
 from __future__ import annotations
@@ -65,11 +66,18 @@ def _fast_stand_in(name: str):
     return call
 
 
-def _stand_in_kernel(**_kw):
+LAUNCHES: list[str] = []
+"""The custom kernels' names (without MLX's text digest) in the order a traced step launched them."""
+
+
+def _stand_in_kernel(*, name: str = "?", **_kw):
     """What mx.fast.cuda_kernel returns here: outputs of the requested shapes that depend on every
-    input through one Depends primitive (the zeros are evaluated leaves, not primitives)."""
+    input through one Depends primitive (the zeros are evaluated leaves, not primitives); each
+    call's kernel name goes to LAUNCHES."""
+    base = re.sub(r"_[0-9a-f]{16}$", "", name)
 
     def call(*, inputs, output_shapes, output_dtypes, **_launch):
+        LAUNCHES.append(base)
         outs = [_zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return mx.depends(outs, [x if isinstance(x, mx.array) else mx.array(x) for x in inputs])
 
@@ -149,7 +157,9 @@ def compiled_counts(cfg, context: int, replays: int = 30) -> dict:
     model, cache = _model_and_caches(cfg, context, True)
     decoder = CompiledDecoder(model, cache, -(-(context + replays + 16) // 256) * 256)
     token = mx.array([[3]], mx.int32)
+    LAUNCHES.clear()
     outs = decoder._step(token, *decoder.state)  # the traced step, before anything is evaluated
+    launches = list(LAUNCHES)
     counts = count(list(outs), dict(_FAST_CALLS))
     times = []
     state = list(outs[1:])
@@ -162,7 +172,8 @@ def compiled_counts(cfg, context: int, replays: int = 30) -> dict:
     layers = cfg.num_hidden_layers
     total = sum(counts.values())
     return dict(layers=layers, context=context, compiled=counts, compiled_total=total, per_layer=total / layers,
-                head_in_step=not decoder.head_outside, replay_us=1e6 * float(np.median(times[3:])))  # fmt: skip
+                head_in_step=not decoder.head_outside, replay_us=1e6 * float(np.median(times[3:])),
+                kernels=launches)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--unfused", action="store_true", help="without quantized.fuse_projections")
     ap.add_argument("--compiled", action="store_true", help="the compiled step and its replay time (see above)")
+    ap.add_argument("--kernels", action="store_true", help="with --compiled: print the kernels in launch order")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = ap.parse_args(argv)
     # where and with what it ran, taken before pretend_cuda() makes the backend answer "cuda"
@@ -184,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({doc['per_layer']:.1f} per layer), replay {doc['replay_us']:.0f} us here")
         for name, n in doc["compiled"].items():
             print(f"  {name[:60]:60s} {n:5d}  {n / doc['layers']:6.2f} per layer")
+        if args.kernels:
+            print("kernels in launch order:\n  " + "\n  ".join(doc["kernels"]))
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(doc, fh, indent=1)

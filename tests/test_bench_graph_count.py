@@ -158,6 +158,11 @@ def test_compiled_step_counts_and_replays(graph_count):
     assert doc["compiled"]["CustomKernel"] >= 7 * cfg.num_hidden_layers and "Transpose" not in doc["compiled"]
     assert "Arange" not in doc["compiled"]  # slot indices are constants (cache.iota), q_pos the caches' slots
     assert doc["replay_us"] > 0
+    # the kernels in launch order: one per CustomKernel node, each layer's norm + RoPE before its attention
+    names = doc["kernels"]
+    assert len(names) == doc["compiled"]["CustomKernel"]
+    rope = [i for i, n in enumerate(names) if n.startswith("g4_norm_rope")]
+    assert len(rope) == cfg.num_hidden_layers and all(names[i + 1].startswith("g4_attn_decode") for i in rope)
 
 
 def test_moe_layer_view_nodes(graph_count):
