@@ -155,7 +155,7 @@ CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "qu
 OPT_IN = frozenset({"matvec_norm", "attention_staged", "embedding"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
 "embedding" (a token embedding row gathered, dequantized from its Q8_0 / Q4_0 blocks and scaled
-in one launch, custom_kernels.embedding: one graph node for the ~14 of MLX ops, twice per E-series
+in one launch, custom_kernels.embedding: one graph node for ~14 MLX ops, twice per E-series
 token): passed the Metal emulator, its GPU operator tests (bit-equal to the MLX ops) and
 compute-sanitizer memcheck in session 31, but E4B at 4K in one process read 256.1 against 252.0
 tok/s, ahead in 1 of 3 rounds (host 3.87 against 3.97 ms: inside the spread), and its model-level
