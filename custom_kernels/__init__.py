@@ -152,8 +152,12 @@ CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "qu
                        "attention_mma8", "attention_mma_staged", "kv_one_write"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"matvec_norm", "attention_staged", "embedding"})
+OPT_IN = frozenset({"matvec_norm", "attention_staged", "embedding", "mlp_one_launch"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
+"mlp_one_launch" (a dense Q4_0 MLP's one bf16 token through the pinned g4_q4_0_moe_experts text as
+its only slot, id 0 of one-expert views of the MLP's blocks, weight 1: gate|up, GeGLU and down in
+one launch instead of two; CUDA sm_80+): written in session 31 after the device time, not yet run
+on a GPU at these shapes (its registry has a one-slot case), not measured;
 "embedding" (a token embedding row gathered, dequantized from its Q8_0 / Q4_0 blocks and scaled
 in one launch, custom_kernels.embedding: one graph node for ~14 MLX ops, twice per E-series
 token): passed the Metal emulator, its GPU operator tests (bit-equal to the MLX ops) and

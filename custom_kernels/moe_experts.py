@@ -67,7 +67,7 @@ from .quant_matvec import (
 )
 
 __all__ = ["q4_0_moe_experts", "moe_experts_reference", "moe_experts_supported", "launch_moe_experts",
-           "plan_moe_experts", "new_counters", "kernel_specs"]  # fmt: skip
+           "plan_moe_experts", "new_counters", "q4_0_mlp_one_launch", "kernel_specs"]  # fmt: skip
 
 MAX_SLOTS = 8
 """Slots a call may have: a down ticket gives each slot NW / 8 of its warps."""
@@ -452,6 +452,35 @@ def q4_0_moe_experts(x: mx.array, ids: mx.array, weights: mx.array, gate_up_bloc
             return launch_moe_experts(x, ids, weights, gate_up_blocks, down_blocks, counters, f, cfg)[0]
     gelu = q4_0_gate_up_gather(x, ids, gate_up_blocks, f)
     return q4_0_moe_down(gelu, ids, weights, down_blocks, x.shape[-1])
+
+
+_ONE_SLOT: dict[tuple, tuple[mx.array, mx.array]] = {}
+
+
+def _one_slot(lead: tuple[int, ...]) -> tuple[mx.array, mx.array]:
+    """ids [..., 1] = 0 and weights [..., 1] = 1.0 for x's lead dims: made once from host memory, so
+    in a compiled step they are constants, not graph nodes."""
+    if lead not in _ONE_SLOT:
+        _ONE_SLOT[lead] = (mx.array(np.zeros((*lead, 1), np.int32)), mx.array(np.ones((*lead, 1), np.float32)))
+    return _ONE_SLOT[lead]
+
+
+def q4_0_mlp_one_launch(x: mx.array, gate_up_stack: mx.array, down_stack: mx.array, counters: mx.array,
+                        f: int) -> mx.array | None:  # fmt: skip
+    """A dense GeGLU MLP's one bf16 token through the one-launch expert kernel as its only slot (id
+    0 of one-expert stacks, weight 1): gate|up, GeGLU and down in one launch -> [..., H], or None
+    where family "mlp_one_launch" is off or the kernel does not take the call (the caller then runs
+    its two launches). gate_up_stack [1, 2F, H/32*18], down_stack [1, H, F/32*18]: the MLP's Q4_0
+    blocks as one-expert stacks (views); counters: the call site's own new_counters()."""
+    if not use_kernel("mlp_one_launch"):
+        return None
+    ids, weights = _one_slot(x.shape[:-1])
+    _check(x, ids, weights, gate_up_stack, down_stack, f)
+    cfg = geometry_override(MoeConfig(), MOE_GEOMETRY_ENV)
+    if not moe_experts_supported(x, ids, f, x.shape[-1], cfg):
+        return None
+    check_ticket_counters(counters, COUNTER_WORDS, "new_counters")
+    return launch_moe_experts(x, ids, weights, gate_up_stack, down_stack, counters, f, cfg)[0]
 
 
 # --------------------------------------------------------------------------------------------

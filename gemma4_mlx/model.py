@@ -237,7 +237,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(width, hidden, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(self.hidden(x))
+        y = self.one_launch_output(x)
+        return self.down_proj(self.hidden(x)) if y is None else y
+
+    def one_launch_output(self, x):
+        """The MLP's output [..., H] from one launch (quantized.MLPStacks, family "mlp_one_launch"),
+        or None where that does not apply."""
+        stacks = getattr(self, "one_launch", None)
+        return None if stacks is None else stacks(x)
 
     def hidden(self, x):
         """gelu_tanh(gate_proj(x)) * up_proj(x): down_proj's input [..., width]."""
@@ -342,8 +349,13 @@ class DecoderLayer(nn.Module):
             h, x = linear_add_norm(attn.o_proj, y, h, self.post_attention_layernorm, self.pre_feedforward_layernorm,
                                    counters=self._tickets[0])  # fmt: skip
             last = not self.ple  # else the per-layer input's branch ends the layer
-            h, x = linear_add_norm(self.mlp.down_proj, self.mlp.hidden(x), h, self.post_feedforward_layernorm,
-                                   next_norm if last else None, self.layer_scalar if last else None, self._tickets[1])  # fmt: skip
+            end = (next_norm if last else None, self.layer_scalar if last else None)
+            y = self.mlp.one_launch_output(x)
+            if y is None:
+                h, x = linear_add_norm(self.mlp.down_proj, self.mlp.hidden(x), h, self.post_feedforward_layernorm,
+                                       *end, self._tickets[1])  # fmt: skip
+            else:
+                h, x = add_norm(h, y, self.post_feedforward_layernorm, *end)
             return (h, x) if last else self._ple(h, per_layer_input, next_norm)
         h, x, x_experts, x_router = self._moe_inputs(h, attn(x, offset, q_pos, cache, shared_kv, mask_fn))
         weights, indices = self.router.select(x_router)

@@ -225,9 +225,39 @@ def _fusable(modules: list) -> bool:
             and len({(m.ggml_type, m.in_dims) for m in modules}) == 1)  # fmt: skip
 
 
+class MLPStacks:
+    """A dense MLP's Q4_0 gate|up (fused) and down as one-expert stacks [1, 2F, H/32*18] and [1, H,
+    F/32*18] (evaluated views, no copies) with its own counters: its one token through the
+    one-launch expert kernel (custom_kernels.moe_experts.q4_0_mlp_one_launch, family
+    "mlp_one_launch"). A plain object like FusedBlockLinear: if a module's blocks are replaced
+    (load_weights), `intact()` turns False and the MLP runs its two launches."""
+
+    def __init__(self, gate_up: FusedBlockLinear, down: BlockLinear):
+        from custom_kernels.moe_experts import new_counters
+
+        self.gate_up, self.down, self.width = gate_up, down, gate_up.sizes[0]
+        self.down_blocks = down.blocks
+        self.down_stack = down.blocks[None]
+        mx.eval(self.down_stack)
+        self.counters = new_counters()
+
+    def intact(self) -> bool:
+        return self.gate_up.intact() and self.down.blocks is self.down_blocks
+
+    def __call__(self, x: mx.array) -> mx.array | None:
+        """x [..., H] -> the MLP's output [..., H] from one launch, or None (the kernel does not
+        take the call, or the weights changed)."""
+        from custom_kernels.moe_experts import q4_0_mlp_one_launch
+
+        if not self.intact():
+            return None
+        return q4_0_mlp_one_launch(x, self.gate_up.one_expert, self.down_stack, self.counters, self.width)
+
+
 def fuse_projections(model) -> int:
     """Join each layer's BlockLinear q|k|v (attention `qkv_proj`) and gate|up (MLP `gate_up_proj`,
-    Q4_0 / Q8_0 only) into FusedBlockLinear matrices; returns how many were made. Call once the
+    Q4_0 / Q8_0 only) into FusedBlockLinear matrices, and give a Q4_0 MLP its one-launch stacks
+    (`one_launch`, MLPStacks); returns how many matrices were made. Call once the
     weights are loaded: peak memory grows by one fused matrix at a time, then the separate copies
     are freed (the caller must hold no other reference to them)."""
     made = 0
@@ -241,4 +271,7 @@ def fuse_projections(model) -> int:
         if _fusable(gu) and gu[0].ggml_type in (Q4_0, Q8_0) and gu[0].out_dims == gu[1].out_dims:
             mlp.gate_up_proj = FusedBlockLinear(gu)
             made += 1
+            down = mlp.get("down_proj")
+            if gu[0].ggml_type == Q4_0 and isinstance(down, BlockLinear) and down.ggml_type == Q4_0:
+                mlp.one_launch = MLPStacks(mlp.gate_up_proj, down)
     return made

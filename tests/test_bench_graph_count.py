@@ -235,3 +235,20 @@ def test_matvec_norm_takes_the_norms_into_the_projections(graph_count, monkeypat
     layers = cfg.num_hidden_layers
     assert base["CustomKernel"] - fused["CustomKernel"] == 2 * layers
     assert sum(base.values()) - sum(fused.values()) == 2 * layers
+
+
+def test_mlp_one_launch_makes_a_dense_mlp_one_kernel(graph_count, monkeypatch):
+    """With family "mlp_one_launch" a dense Q4_0 MLP's token (gate|up, GeGLU, down) is one launch of
+    the expert kernel: one kernel fewer per layer, dense and MoE layers alike (the MoE layer's dense
+    MLP), and the step's other nodes unchanged or fewer."""
+    import decode
+
+    import custom_kernels
+
+    for cfg in (decode._tiny(**_KERNEL_SHAPES), decode._tiny(**_KERNEL_SHAPES, **_EXPERTS)):
+        base = graph_count.step_counts(cfg, 40)["body"]
+        monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "mlp_one_launch")
+        one = graph_count.step_counts(cfg, 40)["body"]
+        monkeypatch.delenv(custom_kernels.UNPROVEN_ENV)
+        assert base["CustomKernel"] - one["CustomKernel"] == cfg.num_hidden_layers
+        assert sum(base.values()) - sum(one.values()) >= cfg.num_hidden_layers

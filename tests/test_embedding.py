@@ -76,7 +76,7 @@ def test_the_kernel_makes_each_table_one_node_of_the_step(graph_count, monkeypat
     assert sum(base.values()) - sum(fused.values()) >= 20
 
 
-def test_model_embeddings_unchanged_on_the_reference_path():
+def test_model_embeddings_unchanged_on_the_reference_path(graph_count):  # the fixture puts bench/ on the path
     """Model.embed and the per-layer inputs through scaled_embedding give the bits of the MLX ops
     they replaced (a BlockEmbedding's rows times the scale rounded to its dtype)."""
     import decode

@@ -161,3 +161,46 @@ def test_geometry_override(monkeypatch):
         monkeypatch.setenv(me.MOE_GEOMETRY_ENV, bad)
         with pytest.raises(ValueError, match="GEMMA4_MLX_MOE_GEOMETRY"):
             me.launch_moe_experts(*args)
+
+
+def test_mlp_one_launch_routing_on_faked_cuda(monkeypatch):
+    """q4_0_mlp_one_launch (family "mlp_one_launch", opt-in): None with the family off, on a CPU
+    build, for two tokens or f32; with it on under faked CUDA, one launch of the expert kernel with
+    one slot (id 0, weight 1) on the one-expert stacks."""
+    rng = np.random.default_rng(5)
+    gu, dn = _layer(rng, experts=1, f=128)
+    x, counters = mx.zeros((1, 1, 256), mx.bfloat16), me.new_counters()
+    assert me.q4_0_mlp_one_launch(x, gu, dn, counters, 128) is None  # family off
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "mlp_one_launch")
+    assert me.q4_0_mlp_one_launch(x, gu, dn, counters, 128) is None  # CPU build
+    calls = []
+    monkeypatch.setattr(me, "backend", lambda: "cuda")
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(me, "cuda_arch", lambda: 90)
+
+    def launch(x, ids, wts, *a, **k):
+        calls.append((np.array(ids).tolist(), np.array(wts).tolist()))
+        return mx.zeros(x.shape, x.dtype), None
+
+    monkeypatch.setattr(me, "launch_moe_experts", launch)
+    assert me.q4_0_mlp_one_launch(x, gu, dn, counters, 128).shape == (1, 1, 256)
+    assert calls == [([[[0]]], [[[1.0]]])]
+    assert me.q4_0_mlp_one_launch(mx.zeros((1, 2, 256), mx.bfloat16), gu, dn, counters, 128) is None
+    assert me.q4_0_mlp_one_launch(x.astype(mx.float32), gu, dn, counters, 128) is None
+    assert len(calls) == 1
+
+
+def test_fuse_projections_gives_q4_0_mlps_their_stacks(graph_count):  # the fixture puts bench/ on the path
+    """quantized.fuse_projections: a Q4_0 MLP gets `one_launch` (MLPStacks) whose stacks are its
+    blocks as one-expert views; replacing a module's blocks (load_weights) turns it off."""
+    import decode
+
+    model = decode.build_ours(decode._tiny(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]))
+    mlp = model.model.layers[0].mlp
+    stacks = mlp.one_launch
+    assert stacks.gate_up.one_expert.shape == (1, *mlp.gate_up_proj.blocks.shape)
+    assert stacks.down_stack.shape == (1, *mlp.down_proj.blocks.shape)
+    np.testing.assert_array_equal(np.array(stacks.down_stack[0]), np.array(mlp.down_proj.blocks))
+    assert stacks.intact() and stacks(mx.zeros((1, 1, 256), mx.bfloat16)) is None  # CPU: no kernel
+    mlp.down_proj.blocks = mx.array(np.array(mlp.down_proj.blocks))
+    assert not stacks.intact()

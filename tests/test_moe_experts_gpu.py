@@ -175,3 +175,32 @@ def test_op_routes_by_family(layer, monkeypatch):
     x2 = mx.concatenate([x, x])
     two = me.q4_0_moe_experts(x2, mx.array(np.stack([ids, ids])), mx.array(np.stack([wts, wts])), *args[2:])
     assert calls == [1] and two.shape == (2, H)
+
+
+@pytest.mark.parametrize("h, f", [(2816, 2112), (2560, 10240), (1536, 6144), (3840, 15360)],
+                         ids=["26B-A4B", "E4B", "E2B", "12B"])  # fmt: skip
+def test_dense_mlp_in_one_launch(h, f, monkeypatch):
+    """Family "mlp_one_launch": a dense MLP's token through the kernel as one slot (id 0, weight 1)
+    of one-expert views of its blocks, at the real dense shapes, against its two launches (gate|up
+    with the GeGLU product, then down): within bf16 rounding relative to the sums of magnitudes
+    (the two paths may round an h entry to neighbouring bf16 values); the same bits on a second call
+    (the counters were reset)."""
+    rng = np.random.default_rng(h + f)
+    gu = mx.array(qm.random_blocks(rng, qm.Q4_0, (2 * f,), h))
+    dn = mx.array(qm.random_blocks(rng, qm.Q4_0, (h,), f))
+    x = mx.array(rng.standard_normal((1, 1, h)).astype(np.float32)).astype(mx.bfloat16)
+    hidden = qm.gate_up(x, gu, qm.Q4_0, f)
+    two = qm.quant_matvec(hidden, dn, qm.Q4_0, h)
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "mlp_one_launch")
+    counters = me.new_counters()
+    one = me.q4_0_mlp_one_launch(x, gu[None], dn[None], counters, f)
+    assert one is not None and one.shape == (1, 1, h) and one.dtype == mx.bfloat16
+    again = me.q4_0_mlp_one_launch(x, gu[None], dn[None], counters, f)
+    mx.eval(one, again)
+    np.testing.assert_array_equal(np.array(one.astype(mx.float32)), np.array(again.astype(mx.float32)))
+    h_two = np.abs(np.array(hidden.astype(mx.float32)).astype(np.float64).reshape(-1))
+    bound = np.abs(qm.dequantize_f64(np.array(dn), qm.Q4_0)) @ h_two
+    got, want = (np.array(a.astype(mx.float32)).astype(np.float64).reshape(-1) for a in (one, two))
+    assert np.isfinite(got).all()
+    rel = np.abs(got - want) / bound
+    assert rel.max() <= 2**-7, f"relative error {rel.max():.3g}"
