@@ -472,7 +472,9 @@ def q4_0_mlp_one_launch(x: mx.array, gate_up_stack: mx.array, down_stack: mx.arr
     where family "mlp_one_launch" is off or the kernel does not take the call (the caller then runs
     its two launches). gate_up_stack [1, 2F, H/32*18], down_stack [1, H, F/32*18]: the MLP's Q4_0
     blocks as one-expert stacks (views); counters: the call site's own new_counters()."""
-    if not use_kernel("mlp_one_launch"):
+    if not (use_kernel("mlp_one_launch") and use_kernel("moe_one_launch")):  # the same kernel
+        return None
+    if x.size != x.shape[-1] or x.dtype != mx.bfloat16:  # one bf16 token only (prefill: None, no slots made)
         return None
     ids, weights = _one_slot(x.shape[:-1])
     _check(x, ids, weights, gate_up_stack, down_stack, f)
@@ -532,11 +534,13 @@ def _case(rng: np.random.Generator, slots: int, experts: int, f: int, h: int, cf
 def _cases(rng: np.random.Generator):
     """A last gate|up ticket with fewer sets (8 sets in tickets of 3), more pieces than warps (H =
     1280 with 8 warps, H = 2304 in 4 sets with 16), F not a multiple of 64 (the MoE fixture's 96)
-    with 16 warps (2 per slot over 3 blocks), one slot, an id out of range."""
+    with 16 warps (2 per slot over 3 blocks), one slot, an id out of range, and one expert as one
+    slot with the default geometry (family "mlp_one_launch": a dense MLP as the only expert)."""
     c = MoeConfig
     return [_case(rng, 3, 5, 64, 256, c(2, 8)), _case(rng, 8, 10, 128, 1280, c(2, 8)), _case(rng, 1, 2, 64, 512, c(3, 8)),
             _case(rng, 4, 6, 64, 2304, c(4, 16)), _case(rng, 2, 8, 96, 256, c(2, 16)),
-            _case(rng, 5, 7, 192, 256, c(1, 8), bad_id=True)]  # fmt: skip
+            _case(rng, 5, 7, 192, 256, c(1, 8), bad_id=True),
+            _case(rng, 1, 1, 64, 256, c(3, 16))]  # fmt: skip
 
 
 def kernel_specs():

@@ -244,7 +244,9 @@ class MLP(nn.Module):
         """The MLP's output [..., H] from one launch (quantized.MLPStacks, family "mlp_one_launch"),
         or None where that does not apply."""
         stacks = getattr(self, "one_launch", None)
-        return None if stacks is None else stacks(x)
+        if stacks is None or stacks.down is not self.down_proj:  # a module swapped after fuse_projections
+            return None
+        return stacks(x)
 
     def hidden(self, x):
         """gelu_tanh(gate_proj(x)) * up_proj(x): down_proj's input [..., width]."""

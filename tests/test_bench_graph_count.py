@@ -246,9 +246,13 @@ def test_mlp_one_launch_makes_a_dense_mlp_one_kernel(graph_count, monkeypatch):
     import custom_kernels
 
     for cfg in (decode._tiny(**_KERNEL_SHAPES), decode._tiny(**_KERNEL_SHAPES, **_EXPERTS)):
+        graph_count.LAUNCHES.clear()
         base = graph_count.step_counts(cfg, 40)["body"]
+        experts = graph_count.LAUNCHES.count("g4_q4_0_moe_experts")
         monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "mlp_one_launch")
+        graph_count.LAUNCHES.clear()
         one = graph_count.step_counts(cfg, 40)["body"]
         monkeypatch.delenv(custom_kernels.UNPROVEN_ENV)
+        assert graph_count.LAUNCHES.count("g4_q4_0_moe_experts") == experts + cfg.num_hidden_layers
         assert base["CustomKernel"] - one["CustomKernel"] == cfg.num_hidden_layers
         assert sum(base.values()) - sum(one.values()) >= cfg.num_hidden_layers

@@ -172,6 +172,7 @@ def test_mlp_one_launch_routing_on_faked_cuda(monkeypatch):
     x, counters = mx.zeros((1, 1, 256), mx.bfloat16), me.new_counters()
     assert me.q4_0_mlp_one_launch(x, gu, dn, counters, 128) is None  # family off
     monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "mlp_one_launch")
+    monkeypatch.setattr(me, "backend", lambda: "cpu")
     assert me.q4_0_mlp_one_launch(x, gu, dn, counters, 128) is None  # CPU build
     calls = []
     monkeypatch.setattr(me, "backend", lambda: "cuda")
@@ -188,6 +189,8 @@ def test_mlp_one_launch_routing_on_faked_cuda(monkeypatch):
     assert me.q4_0_mlp_one_launch(mx.zeros((1, 2, 256), mx.bfloat16), gu, dn, counters, 128) is None
     assert me.q4_0_mlp_one_launch(x.astype(mx.float32), gu, dn, counters, 128) is None
     assert len(calls) == 1
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "moe_one_launch")  # the kernel it launches, off
+    assert me.q4_0_mlp_one_launch(x, gu, dn, counters, 128) is None and len(calls) == 1
 
 
 def test_fuse_projections_gives_q4_0_mlps_their_stacks(graph_count):  # the fixture puts bench/ on the path
@@ -201,6 +204,6 @@ def test_fuse_projections_gives_q4_0_mlps_their_stacks(graph_count):  # the fixt
     assert stacks.gate_up.one_expert.shape == (1, *mlp.gate_up_proj.blocks.shape)
     assert stacks.down_stack.shape == (1, *mlp.down_proj.blocks.shape)
     np.testing.assert_array_equal(np.array(stacks.down_stack[0]), np.array(mlp.down_proj.blocks))
-    assert stacks.intact() and stacks(mx.zeros((1, 1, 256), mx.bfloat16)) is None  # CPU: no kernel
+    assert stacks.intact() and stacks(mx.zeros((1, 1, 256), mx.bfloat16)) is None  # the family is off
     mlp.down_proj.blocks = mx.array(np.array(mlp.down_proj.blocks))
     assert not stacks.intact()
