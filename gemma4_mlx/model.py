@@ -81,8 +81,9 @@ class ExpertLinear(nn.Module):
 def scaled_embedding(table, tokens: mx.array, scale: float) -> mx.array:
     """table(tokens) * scale [..., H], the scale rounded to the table's dtype as in HF (a
     BlockEmbedding does both in one launch where it can)."""
-    if hasattr(table, "scaled"):
-        return table.scaled(tokens, scale)
+    e = table.scaled(tokens, scale) if hasattr(table, "scaled") else None
+    if e is not None:
+        return e
     e = table(tokens)
     return e * mx.array(scale, dtype=mx.float32).astype(e.dtype)
 

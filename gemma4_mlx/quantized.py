@@ -123,16 +123,16 @@ class BlockEmbedding(BlockLinear):
 
         return dequantize(self.blocks[tokens], self.ggml_type, self.in_dims).astype(self.dtype)
 
-    def scaled(self, tokens: mx.array, scale: float) -> mx.array:
-        """Embeddings times `scale` rounded to the dtype, [..., H] (Q8_0 / Q4_0 rows:
-        custom_kernels.embedding, one launch where family "embedding" is on)."""
+    def scaled(self, tokens: mx.array, scale: float) -> mx.array | None:
+        """Embeddings times `scale` rounded to the dtype, [..., H], for Q8_0 / Q4_0 rows
+        (custom_kernels.embedding: one launch where family "embedding" is on); None for other
+        block types (the caller scales self(tokens))."""
         from custom_kernels.embedding import embed_rows, embedding_supported
 
-        if embedding_supported(self.ggml_type, self.dtype):
-            ids = tokens if tokens.dtype == mx.int32 else tokens.astype(mx.int32)
-            return embed_rows(self.blocks, ids, self.ggml_type, self.in_dims, scale, self.dtype)
-        e = self(tokens)
-        return e * mx.array(scale, dtype=mx.float32).astype(e.dtype)
+        if not embedding_supported(self.ggml_type, self.dtype):
+            return None
+        ids = tokens if tokens.dtype == mx.int32 else tokens.astype(mx.int32)
+        return embed_rows(self.blocks, ids, self.ggml_type, self.in_dims, scale, self.dtype)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return BlockLinear.__call__(self, x)

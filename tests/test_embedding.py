@@ -116,3 +116,19 @@ def test_empty_and_very_long_token_arrays_take_the_reference(monkeypatch):
     assert embedding.embed_rows(blocks, long, Q8_0, 64, 8.0, mx.bfloat16).shape == (embedding.MAX_TOKENS + 1, 64)
     with pytest.raises(AssertionError, match="kernel was called"):
         embedding.embed_rows(blocks, mx.zeros((3,), mx.int32), Q8_0, 64, 8.0, mx.bfloat16)
+
+
+def test_other_block_types_are_scaled_by_the_caller():
+    """A Q6_K table (official files' tied embeddings): BlockEmbedding.scaled declines (None) and
+    scaled_embedding multiplies the dequantized rows by the scale rounded to the dtype."""
+    from gemma4_mlx.model import scaled_embedding
+    from gemma4_mlx.quantized import BlockEmbedding
+
+    table = BlockEmbedding(8, 256, Q6_K, mx.bfloat16)
+    table.blocks = mx.array(random_blocks(np.random.default_rng(2), Q6_K, (8,), 256))
+    tokens = mx.array([[1, 7]], mx.int32)
+    assert table.scaled(tokens, 16.0) is None
+    got = scaled_embedding(table, tokens, 16.0)
+    want = table(tokens) * mx.array(16.0, dtype=mx.bfloat16)
+    assert got.dtype == mx.bfloat16
+    np.testing.assert_array_equal(np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32)))
