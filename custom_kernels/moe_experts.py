@@ -25,11 +25,12 @@ How (threadgroups of NW = 8 or 16 warps, taking tickets from ``counters`` in the
   take the pieces in turn and multiply set j's as soon as its group has landed (mma.sync, the
   stream kernels' block code: weights as A, x as B); the warps' f32 sums are added in warp order,
   h [k, F] bf16 is stored, then the ticket counts itself done;
-- the next TB = H / 16 tickets compute 16 output rows each: the NW / 8 warps of slot s copy its 16
-  down rows (contiguous) into shared memory (16-byte ``cp.async``), which overlaps the gate|up
-  half, then wait until all TA gate|up tickets are done, copy h through L2 (``ld.global.cg``:
-  written in this launch) into shared memory, each warp multiplies its part of the slot's blocks,
-  and the weighted f32 sums are added in slot order (each slot's parts in order), rounded once;
+- the next TB = H / 16 tickets compute 16 output rows each: the NW / SL warps of slot s (SL: the
+  slot count rounded up to a power of two, so one slot gets all the warps) copy its 16 down rows
+  (contiguous) into shared memory (16-byte ``cp.async``), which overlaps the gate|up half, then
+  wait until all TA gate|up tickets are done, copy h through L2 (``ld.global.cg``: written in this
+  launch) into shared memory, each warp multiplies its part of the slot's blocks, and the weighted
+  f32 sums are added in slot order (each slot's parts in order), rounded once;
 - the last threadgroup to finish sets the counters back to zero for the next call.
 
 A ticket is only taken by a running threadgroup and every down ticket comes after every gate|up
@@ -70,7 +71,7 @@ __all__ = ["q4_0_moe_experts", "moe_experts_reference", "moe_experts_supported",
            "plan_moe_experts", "new_counters", "q4_0_mlp_one_launch", "kernel_specs"]  # fmt: skip
 
 MAX_SLOTS = 8
-"""Slots a call may have: a down ticket gives each slot NW / 8 of its warps."""
+"""Slots a call may have: a down ticket gives each slot at least NW / 8 of its warps."""
 
 SETS = 3
 """GeGLU sets (8 outputs, 16 weight rows) per gate|up ticket. 26B-A4B (F = 704, 8 slots): 235
@@ -110,7 +111,10 @@ _BODY_CUDA = r"""
   // gemma4-mlx q4_0 MoE experts in one launch (CUDA): gate|up + GeGLU, then down + weighted sum
   static_assert(SMEM >= 16, "SMEM: the dynamic shared bytes this instantiation is launched with");
   static_assert(NW == 8 || NW == 16, "NW: 8 or 16 warps");
-  constexpr int KS = NW / 8;  // down tickets: warps per slot, each over its part of the slot's blocks
+  // down tickets: warp w serves slot w % SL (SL: S rounded up to a power of two), KS = NW / SL warps
+  // per slot, each over its part of the slot's blocks
+  constexpr int SL = S <= 1 ? 1 : S <= 2 ? 2 : S <= 4 ? 4 : 8;
+  constexpr int KS = NW / SL;
   extern __shared__ __align__(16) uint32_t g4_smem[];
   __shared__ float g4_red[NW][SETS][16];
   __shared__ int g4_ticket;
@@ -254,7 +258,7 @@ _BODY_CUDA = r"""
     // down: 16 output rows from r0; warp (slot sl, part ks) multiplies blocks [ks nb / KS, (ks + 1)
     // nb / KS) of slot sl's rows. The rows are staged before the wait, h [S, F] after it.
     const int r0 = (ticket - TA) * 16;
-    const int sl = warp & 7, ks = warp >> 3;
+    const int sl = warp % SL, ks = warp / SL;
     const int e = sl < S ? ids[sl] : 0;
     const bool live = e >= 0 && e < E;
     const uint8_t* wrow = wdn + ((size_t)(live ? e : 0) * H + r0) * rbf;
@@ -319,7 +323,7 @@ _BODY_CUDA = r"""
     if (threadIdx.x < 16) {  // slots in order, each slot's parts in order
       float s = 0.0f;
       for (int w = 0; w < S; ++w) {
-        for (int k = 0; k < KS; ++k) s += g4_red[8 * k + w][0][threadIdx.x];
+        for (int k = 0; k < KS; ++k) s += g4_red[SL * k + w][0][threadIdx.x];
       }
       out[r0 + threadIdx.x] = static_cast<T>(s);
     }
@@ -454,6 +458,12 @@ def q4_0_moe_experts(x: mx.array, ids: mx.array, weights: mx.array, gate_up_bloc
     return q4_0_moe_down(gelu, ids, weights, down_blocks, x.shape[-1])
 
 
+MLP_SHARED_LIMIT = 100 * 1024
+"""The most shared memory per threadgroup at which a dense MLP takes the one launch: two threadgroups
+per SM (26B-A4B's F = 2112: 79.8 KB; E2B's F = 6144: 66.0 KB). Above it (E4B's F = 10240: 110.0 KB,
+one threadgroup per SM) the launch ran slower than the two it replaces: E4B at 4K 104.8 against 160.4
+tok/s (bench/NOTES.md, session 32)."""
+
 _ONE_SLOT: dict[tuple, tuple[mx.array, mx.array]] = {}
 
 
@@ -469,9 +479,10 @@ def q4_0_mlp_one_launch(x: mx.array, gate_up_stack: mx.array, down_stack: mx.arr
                         f: int) -> mx.array | None:  # fmt: skip
     """A dense GeGLU MLP's one bf16 token through the one-launch expert kernel as its only slot (id
     0 of one-expert stacks, weight 1): gate|up, GeGLU and down in one launch -> [..., H], or None
-    where family "mlp_one_launch" is off or the kernel does not take the call (the caller then runs
-    its two launches). gate_up_stack [1, 2F, H/32*18], down_stack [1, H, F/32*18]: the MLP's Q4_0
-    blocks as one-expert stacks (views); counters: the call site's own new_counters()."""
+    where family "mlp_one_launch" is off, the kernel does not take the call or its shared memory is
+    over MLP_SHARED_LIMIT (the caller then runs its two launches). gate_up_stack [1, 2F, H/32*18],
+    down_stack [1, H, F/32*18]: the MLP's Q4_0 blocks as one-expert stacks (views); counters: the
+    call site's own new_counters()."""
     if not (use_kernel("mlp_one_launch") and use_kernel("moe_one_launch")):  # the same kernel
         return None
     if x.size != x.shape[-1] or x.dtype != mx.bfloat16:  # one bf16 token only (prefill: None, no slots made)
@@ -479,7 +490,7 @@ def q4_0_mlp_one_launch(x: mx.array, gate_up_stack: mx.array, down_stack: mx.arr
     ids, weights = _one_slot(x.shape[:-1])
     _check(x, ids, weights, gate_up_stack, down_stack, f)
     cfg = geometry_override(MoeConfig(), MOE_GEOMETRY_ENV)
-    if not moe_experts_supported(x, ids, f, x.shape[-1], cfg):
+    if not moe_experts_supported(x, ids, f, x.shape[-1], cfg) or shared_bytes(1, f, x.shape[-1], cfg.sets) > MLP_SHARED_LIMIT:
         return None
     check_ticket_counters(counters, COUNTER_WORDS, "new_counters")
     return launch_moe_experts(x, ids, weights, gate_up_stack, down_stack, counters, f, cfg)[0]
@@ -534,13 +545,14 @@ def _case(rng: np.random.Generator, slots: int, experts: int, f: int, h: int, cf
 def _cases(rng: np.random.Generator):
     """A last gate|up ticket with fewer sets (8 sets in tickets of 3), more pieces than warps (H =
     1280 with 8 warps, H = 2304 in 4 sets with 16), F not a multiple of 64 (the MoE fixture's 96)
-    with 16 warps (2 per slot over 3 blocks), one slot, an id out of range, and one expert as one
-    slot with the default geometry (family "mlp_one_launch": a dense MLP as the only expert)."""
+    with 16 warps (8 per slot of 2 over 3 blocks), one slot, an id out of range, and one expert as
+    one slot with the default geometry (family "mlp_one_launch": a dense MLP as the only expert; all
+    16 warps on its down rows, F = 704's 22 blocks not a multiple of 16)."""
     c = MoeConfig
     return [_case(rng, 3, 5, 64, 256, c(2, 8)), _case(rng, 8, 10, 128, 1280, c(2, 8)), _case(rng, 1, 2, 64, 512, c(3, 8)),
             _case(rng, 4, 6, 64, 2304, c(4, 16)), _case(rng, 2, 8, 96, 256, c(2, 16)),
             _case(rng, 5, 7, 192, 256, c(1, 8), bad_id=True),
-            _case(rng, 1, 1, 64, 256, c(3, 16))]  # fmt: skip
+            _case(rng, 1, 1, 64, 256, c(3, 16)), _case(rng, 1, 1, 704, 256, c(3, 16))]  # fmt: skip
 
 
 def kernel_specs():

@@ -189,8 +189,15 @@ def test_mlp_one_launch_routing_on_faked_cuda(monkeypatch):
     assert me.q4_0_mlp_one_launch(mx.zeros((1, 2, 256), mx.bfloat16), gu, dn, counters, 128) is None
     assert me.q4_0_mlp_one_launch(x.astype(mx.float32), gu, dn, counters, 128) is None
     assert len(calls) == 1
-    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "moe_one_launch")  # the kernel it launches, off
+    # one threadgroup per SM (E4B's F = 10240) lost to the two launches; 26B-A4B's and E2B's fit two
+    assert me.shared_bytes(1, 10240, 2560) > me.MLP_SHARED_LIMIT >= max(me.shared_bytes(1, 2112, 2816), me.shared_bytes(1, 6144, 1536))
+    limit = me.MLP_SHARED_LIMIT
+    monkeypatch.setattr(me, "MLP_SHARED_LIMIT", me.shared_bytes(1, 128, 256) - 1)
     assert me.q4_0_mlp_one_launch(x, gu, dn, counters, 128) is None and len(calls) == 1
+    monkeypatch.setattr(me, "MLP_SHARED_LIMIT", limit)
+    assert me.q4_0_mlp_one_launch(x, gu, dn, counters, 128) is not None and len(calls) == 2
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "moe_one_launch")  # the kernel it launches, off
+    assert me.q4_0_mlp_one_launch(x, gu, dn, counters, 128) is None and len(calls) == 2
 
 
 def test_fuse_projections_gives_q4_0_mlps_their_stacks(graph_count):  # the fixture puts bench/ on the path
