@@ -63,7 +63,7 @@ PROVEN = frozenset({"quant_matvec", "quant_matvec_stream", "attention", "samplin
                     "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                     "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
                     "router_fused", "attention_fused", "quant_matvec_tiles", "attention_mma",
-                    "attention_mma8", "attention_mma_staged", "kv_one_write"})  # fmt: skip
+                    "attention_mma8", "attention_mma_staged", "kv_one_write", "embedding"})  # fmt: skip
 """Op families whose GPU kernels passed ``pytest -m gpu`` (H200, CUDA): on by default. The first
 four passed together with the model-level checks (every kernel on) on 2026-11-30 (99 tests; 100 in
 session 6); "router" passed its operator and module tests in session 7 (111 tests); "gate_up_split"
@@ -143,27 +143,32 @@ g4_norm_rope, compute-sanitizer memcheck and racecheck and the model tests (bit-
 buffers) in sessions 30-31 and became a CUDA default in session 31 (in one process at 4K: 26B-A4B
 279.8 against 251.0 tok/s, 3 of 3 rounds, and 203.6 against 177.4, 5 of 5; E2B 194.1 against
 178.0, 3 of 3; 12B 161.1 against 148.4 and E4B 221.0 / 222.6 against 216.6 / 215.2, 2 of 3 each;
-31B equal, GPU-bound: 89.7 against 91.7 at 4K, 88.1 against 87.7 at 32K).
+31B equal, GPU-bound: 89.7 against 91.7 at 4K, 88.1 against 87.7 at 32K); "embedding" (a token's
+embedding row, and an E-series token's per-layer row, gathered from its Q8_0 / Q4_0 blocks,
+dequantized and scaled in one launch, custom_kernels.embedding: one graph node for ~14 MLX ops)
+passed the Metal emulator, its GPU operator tests (bit-equal to the MLX ops) and compute-sanitizer
+memcheck in session 31 and the model tests (every family on) in session 32, and became a CUDA
+default there (in one process at 4K: E2B 196.4 against 188.1 tok/s, 3 of 3 rounds; 26B-A4B 159.7
+against 157.4, 3 of 3; E4B 169.9 / 143.9 against 160.4 / 137.5 in two runs, 2 of 3 each, and
+256.1 against 252.0 in session 31).
 The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
                        "matvec_gelu_mul", "moe_one_launch", "norm_moe", "router_proj", "norm_moe_out",
                        "router_fused", "attention_fused", "quant_matvec_tiles", "attention_mma",
-                       "attention_mma8", "attention_mma_staged", "kv_one_write"})  # fmt: skip
+                       "attention_mma8", "attention_mma_staged", "kv_one_write", "embedding"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"matvec_norm", "attention_staged", "embedding", "mlp_one_launch"})
+OPT_IN = frozenset({"matvec_norm", "attention_staged", "mlp_one_launch"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
-"mlp_one_launch" (a dense Q4_0 MLP's one bf16 token through the pinned g4_q4_0_moe_experts text as
-its only slot, id 0 of one-expert views of the MLP's blocks, weight 1: gate|up, GeGLU and down in
-one launch instead of two; CUDA sm_80+): written in session 31 after the device time, not yet run
-on a GPU at these shapes (its registry has a one-slot case), not measured;
-"embedding" (a token embedding row gathered, dequantized from its Q8_0 / Q4_0 blocks and scaled
-in one launch, custom_kernels.embedding: one graph node for ~14 MLX ops, twice per E-series
-token): passed the Metal emulator, its GPU operator tests (bit-equal to the MLX ops) and
-compute-sanitizer memcheck in session 31, but E4B at 4K in one process read 256.1 against 252.0
-tok/s, ahead in 1 of 3 rounds (host 3.87 against 3.97 ms: inside the spread), and its model-level
-GPU tests have not run;
+"mlp_one_launch" (a dense Q4_0 MLP's one bf16 token through the g4_q4_0_moe_experts text as its
+only slot, id 0 of one-expert views of the MLP's blocks, weight 1: gate|up, GeGLU and down in one
+launch instead of two; CUDA sm_80+, and only where its shared memory allows two threadgroups per SM:
+moe_experts.MLP_SHARED_LIMIT): passed its operator test at 26B-A4B's, E2B's, E4B's and 12B's dense
+shapes and the model tests in session 32, but showed no gain there: in one process at 4K 26B-A4B
+158.3 against 157.4 tok/s (2 of 3 rounds), E2B 186.3 against 188.1 (1 of 3), and E4B (before the
+shared-memory limit, with the text whose down tickets used 2 of 16 warps at one slot) 104.8
+against 160.4;
 "attention_staged" (the one-launch decode attention with each tile's K and V rows bulk-copied
 into shared memory before the query rows load, custom_kernels.attention's g4_attn_decode_staged,
 CUDA on Hopper only; used where "attention_fused" is): bit-equal to the one launch and passed

@@ -68,8 +68,9 @@ def test_the_kernel_makes_each_table_one_node_of_the_step(graph_count, monkeypat
     """With family "embedding" an E-series step's two scaled embeddings (token and per-layer) are
     one kernel each: the gathers go, and the step has at least 20 nodes fewer."""
     cfg = _eseries_cfg()
+    monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, "embedding")  # a CUDA default
     base = graph_count.step_counts(cfg, 40)["body"]
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "embedding")
+    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV)
     fused = graph_count.step_counts(cfg, 40)["body"]
     assert base["Gather"] >= 2 and fused.get("Gather", 0) == base["Gather"] - 2
     assert fused["CustomKernel"] - base["CustomKernel"] == 2
