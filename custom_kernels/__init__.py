@@ -159,8 +159,12 @@ CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "qu
                        "attention_mma8", "attention_mma_staged", "kv_one_write", "embedding"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"matvec_norm", "attention_staged", "mlp_one_launch"})
+OPT_IN = frozenset({"matvec_norm", "attention_staged", "mlp_one_launch", "moe_route_fold"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
+"moe_route_fold" (a MoE layer's router projection and route folded into the one-launch experts
+kernel as its first tickets, custom_kernels.moe_experts.q4_0_moe_routed, CUDA sm_80+; needs
+"moe_one_launch" and "router_fused" on: one launch per MoE layer fewer): written in session 32
+after the device time, compiled by nvcc, not yet run on a GPU (kernel g4_q4_0_moe_routed pending);
 "mlp_one_launch" (a dense Q4_0 MLP's one bf16 token through the g4_q4_0_moe_experts text as its
 only slot, id 0 of one-expert views of the MLP's blocks, weight 1: gate|up, GeGLU and down in one
 launch instead of two; CUDA sm_80+, and only where its shared memory allows two threadgroups per SM:

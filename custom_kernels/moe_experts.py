@@ -50,8 +50,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import backend, check_ticket_counters, cuda_arch, geometry_override, get_kernel, template_args, ticket_counters, use_kernel
-from .dialect import prelude
+from . import (backend, check_ticket_counters, cuda_arch, dtype_name, geometry_override, get_kernel, template_args,
+               ticket_counters, use_kernel)
+from .attention import _text as attention_text
+from .dialect import prelude, render
+from .router import MAX_EXPERTS, _fused_route_body
 from .quant_matvec import (
     _MMA_HEADER_CUDA,
     _RUNS_HEADER_CUDA,
@@ -68,7 +71,8 @@ from .quant_matvec import (
 )
 
 __all__ = ["q4_0_moe_experts", "moe_experts_reference", "moe_experts_supported", "launch_moe_experts",
-           "plan_moe_experts", "new_counters", "q4_0_mlp_one_launch", "kernel_specs"]  # fmt: skip
+           "plan_moe_experts", "new_counters", "q4_0_mlp_one_launch", "q4_0_moe_routed", "launch_moe_routed",
+           "plan_moe_routed", "new_routed_counters", "kernel_specs"]  # fmt: skip
 
 MAX_SLOTS = 8
 """Slots a call may have: a down ticket gives each slot at least NW / 8 of its warps."""
@@ -366,6 +370,92 @@ COUNTER_WORDS = 96
 """uint32 words of a call's counters: three counters 128 bytes apart."""
 
 
+# The route folded in (kernel g4_q4_0_moe_routed, family "moe_route_fold"): TR = ceil(E / NW) router
+# tickets come first; warp w of router ticket r computes logit r * NW + w as g4_route_logits does
+# (the same sums, rounded to bf16), and the last router ticket to finish routes them with
+# g4_route_logits' route text (softmax, top-S, renormalised weights times the per-expert scale),
+# writes ids and weights, then counts once more. Every experts ticket first waits for that count
+# (tickets in order: the router tickets never wait, so it cannot deadlock) and reads ids and weights
+# through L2 (written in this launch).
+_ROUTER_TICKETS_CUDA = r"""
+  if (ticket >= 0 && threadIdx.x == 0) {  // the experts' tickets read the route: wait for it
+    unsigned int done, pause = 32;
+    for (long long spin = 0;; ++spin) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(done) : "l"(routed) : "memory");
+      if (done > (unsigned int)TR) break;
+      if (spin > (1ll << 23)) __trap();
+      __nanosleep(pause);
+      pause = min(2 * pause, 512u);
+    }
+  }
+  __syncthreads();
+  if (ticket < 0) {
+    __shared__ int g4_last;
+    const int er = g4_ticket * NW + warp;
+    if (er < E) {
+      const T* wrow = wr + (size_t)er * H;
+      float acc = 0.0f;
+      for (int c = 4 * lane; c < H; c += 128) {
+        float a[4];
+        float b[4];
+        g4_load4(xr + c, a);
+        g4_load4(wrow + c, b);
+        acc += a[0] * b[0] + a[1] * b[1] + a[2] * b[2] + a[3] * b[3];
+      }
+      acc = g4_simd_sum(acc);
+      if (lane == 0) {
+        logits[er] = static_cast<T>(acc);
+        __threadfence();
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) g4_last = atomicAdd(routed, 1u) == (unsigned int)(TR - 1) ? 1 : 0;
+    __syncthreads();
+    if (g4_last != 0 && warp == 0) {
+      __threadfence();
+ROUTE
+      if (lane == 0) {  // release: the route's stores before the count the experts' tickets wait for
+        __threadfence();
+        atomicAdd(routed, 1u);
+      }
+    }
+  } else if (ticket < TA) {"""
+
+
+def _routed_body() -> str:
+    """_BODY_CUDA with the router tickets in front (the comment above)."""
+    route = render(_fused_route_body(), "cuda")
+    for old, new in (("  const int row = m;\n", "  const int row = 0;  // one token\n"),
+                     ("weights[(size_t)row * K + j]", "wts[j]"), ("indices[(size_t)row * K + j]", "ids[j]"),
+                     ("  if (lane == 0) *done = 0u;\n", "")):  # fmt: skip
+        assert route.count(old) == 1, old
+        route = route.replace(old, new)
+    body = _BODY_CUDA
+    for old, new, n in (
+        ("q4_0 MoE experts in one launch (CUDA): gate|up", "q4_0 MoE route and experts in one launch (CUDA): route, gate|up", 1),
+        ("  const int TB = H / 16;\n", "  const int TB = H / 16;\n  constexpr int K = S;  // the route's top-k: a slot per chosen expert\n"
+                                       "  const int TR = (E + NW - 1) / NW;  // router tickets: an expert row per warp\n", 1),
+        ("  unsigned int* blocks_done = tickets + 64;\n",
+         "  unsigned int* blocks_done = tickets + 64;\n  unsigned int* routed = tickets + 96;  // router tickets done, + 1 once routed\n", 1),
+        ("  const int ticket = g4_ticket;\n", "  const int ticket = g4_ticket - TR;  // the experts' tickets from 0, the router's below\n", 1),
+        ("  if (ticket < TA) {", _ROUTER_TICKETS_CUDA.replace("ROUTE\n", "      {\n" + route + "      }\n"), 1),
+        ("ids[slot]", "__ldcg(ids + slot)", 2), ("ids[sl]", "__ldcg(ids + sl)", 1), ("wts[sl]", "__ldcg(wts + sl)", 1),
+        ("      atomicExch(blocks_done, 0u);\n", "      atomicExch(blocks_done, 0u);\n      atomicExch(routed, 0u);\n", 1),
+    ):  # fmt: skip
+        assert body.count(old) == n, old
+        body = body.replace(old, new)
+    return body
+
+
+ROUTED_COUNTER_WORDS = 128
+"""uint32 words of a routed call's counters: four counters 128 bytes apart."""
+
+_DEF_ROUTED = _KernelDef("g4_q4_0_moe_routed", "moe_route_fold", Q4_0, ("x", "xr", "wr", "scale", "wgu", "wdn", "counters"),
+                         ("out", "h", "logits", "wts", "ids"), ("T", "TS", "NW", "SETS", "S", "SMEM", "EPL"),
+                         {"metal": ("", ""), "cuda": (attention_text("")["cuda"][0] + _MMA_HEADER_CUDA + _STREAM_HEADER_CUDA
+                                                      + _RUNS_HEADER_CUDA + _WAIT_UPTO_CUDA, _routed_body())})  # fmt: skip
+
+
 def new_counters() -> mx.array:
     """The zeroed uint32 [96] counters one sequence of q4_0_moe_experts calls shares (one per layer):
     custom_kernels.ticket_counters."""
@@ -399,12 +489,15 @@ def moe_experts_supported(x: mx.array, ids: mx.array, f: int, h: int, config: Mo
     """True when the one-launch kernel takes this call: CUDA (sm_80+), bf16 x of one token, and
     shapes plan_moe_experts accepts for config (default: MoeConfig with GEMMA4_MLX_MOE_GEOMETRY,
     whose bad values are errors, not a fallback)."""
-    if not (backend() == "cuda" and cuda_arch() >= MMA_ARCH and x.dtype == mx.bfloat16 and x.size == h
-            and math.prod(ids.shape[:-1]) == 1):  # fmt: skip
+    return math.prod(ids.shape[:-1]) == 1 and _takes(x, ids.shape[-1], f, h, config)
+
+
+def _takes(x: mx.array, slots: int, f: int, h: int, config: MoeConfig | None) -> bool:
+    if not (backend() == "cuda" and cuda_arch() >= MMA_ARCH and x.dtype == mx.bfloat16 and x.size == h):
         return False
     cfg = config or geometry_override(MoeConfig(), MOE_GEOMETRY_ENV)
     try:
-        plan_moe_experts(ids.shape[-1], f, h, cfg)
+        plan_moe_experts(slots, f, h, cfg)
     except ValueError:  # more than 8 slots, H % 256, F % 32, shared memory over SHARED_LIMIT
         return False
     return True
@@ -431,6 +524,10 @@ def _check(x: mx.array, ids: mx.array, weights: mx.array, gate_up_blocks: mx.arr
     if ids.dtype != mx.int32 or ids.ndim < 1 or weights.shape != ids.shape or x.shape[:-1] != ids.shape[:-1]:
         raise ValueError(f"moe_experts: x [..., H], ids int32 [..., k] and weights [..., k] with the same lead dims; "
                          f"got x {x.shape}, ids {ids.dtype} {ids.shape}, weights {weights.shape}")  # fmt: skip
+    _check_stacks(gate_up_blocks, down_blocks, f, h)
+
+
+def _check_stacks(gate_up_blocks: mx.array, down_blocks: mx.array, f: int, h: int) -> None:
     e = gate_up_blocks.shape[0] if gate_up_blocks.ndim == 3 else -1
     want = ((e, 2 * f, row_bytes(Q4_0, h)), (e, h, row_bytes(Q4_0, f)))
     if gate_up_blocks.dtype != mx.uint8 or down_blocks.dtype != mx.uint8 or (gate_up_blocks.shape, down_blocks.shape) != want:
@@ -463,6 +560,62 @@ MLP_SHARED_LIMIT = 100 * 1024
 per SM (26B-A4B's F = 2112: 79.8 KB; E2B's F = 6144: 66.0 KB). Above it (E4B's F = 10240: 110.0 KB,
 one threadgroup per SM) the launch ran slower than the two it replaces: E4B at 4K 104.8 against 160.4
 tok/s (bench/NOTES.md, session 32)."""
+
+def new_routed_counters() -> mx.array:
+    """The zeroed uint32 [128] counters one sequence of q4_0_moe_routed calls shares (one per layer)."""
+    return ticket_counters(ROUTED_COUNTER_WORDS)
+
+
+def plan_moe_routed(slots: int, f: int, h: int, experts: int, scale_dtype: str,
+                    config: MoeConfig | None = None) -> tuple[LaunchPlan, int]:  # fmt: skip
+    """(launch plan, dynamic shared bytes) of one routed call: plan_moe_experts' with ceil(E / warps)
+    router tickets in front."""
+    cfg = config or MoeConfig()
+    plan, smem = plan_moe_experts(slots, f, h, cfg)
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"moe_routed: {experts} experts, 1..{MAX_EXPERTS}")
+    template = [("T", "bfloat16"), ("TS", scale_dtype), *plan.template[1:], ("EPL", -(-experts // 32))]
+    grid = (plan.grid[0] + -(-experts // cfg.warps) * 32 * cfg.warps, 1, 1)
+    return LaunchPlan(template, grid, plan.threadgroup, plan.output_shape), smem
+
+
+def launch_moe_routed(x: mx.array, x_router: mx.array, router_w: mx.array, per_expert_scale: mx.array, top_k: int,
+                      gate_up_blocks: mx.array, down_blocks: mx.array, counters: mx.array, f: int,
+                      config: MoeConfig | None = None) -> tuple[mx.array, ...]:  # fmt: skip
+    """The routed kernel (no checks, no fallback; CUDA builds only) -> (out [..., H] like x, h [k, F],
+    logits [E] bf16, weights f32 [k], ids int32 [k])."""
+    cfg = config or geometry_override(MoeConfig(), MOE_GEOMETRY_ENV)
+    e = router_w.shape[0]
+    plan, smem = plan_moe_routed(top_k, f, x.shape[-1], e, dtype_name(per_expert_scale.dtype), cfg)
+    kernel = get_kernel(_DEF_ROUTED.name, _DEF_ROUTED.input_names, _DEF_ROUTED.output_names, _DEF_ROUTED.text["metal"],
+                        _DEF_ROUTED.text["cuda"], cuda_shared_memory=smem)  # fmt: skip
+    return tuple(kernel(inputs=[x, x_router, router_w, per_expert_scale, gate_up_blocks, down_blocks, counters],
+                        template=template_args(plan.template), grid=plan.grid, threadgroup=plan.threadgroup,
+                        output_shapes=[x.shape, (top_k, f), (e,), (top_k,), (top_k,)],
+                        output_dtypes=[mx.bfloat16, mx.bfloat16, mx.bfloat16, mx.float32, mx.int32]))  # fmt: skip
+
+
+def q4_0_moe_routed(x: mx.array, x_router: mx.array, router_w: mx.array, per_expert_scale: mx.array, top_k: int,
+                    gate_up_blocks: mx.array, down_blocks: mx.array, counters: mx.array, f: int) -> mx.array | None:  # fmt: skip
+    """A MoE layer's route (router.route_logits of x_router, router_w [E, H] bf16) and its Q4_0
+    experts (q4_0_moe_experts of x) in one launch -> [..., H] bf16, or None where family
+    "moe_route_fold" (or "moe_one_launch", "router_fused") is off or the kernel does not take the
+    call: one bf16 token, bf16 router weights, E <= MAX_EXPERTS (the caller then routes and runs the
+    experts as before). counters: new_routed_counters(), one per layer."""
+    if not all(use_kernel(fam) for fam in ("moe_route_fold", "moe_one_launch", "router_fused")):
+        return None
+    h = x.shape[-1]
+    if not (x.dtype == x_router.dtype == router_w.dtype == mx.bfloat16 and x.size == h and x_router.shape == x.shape
+            and router_w.ndim == 2 and router_w.shape[1] == h and per_expert_scale.shape == (router_w.shape[0],)
+            and per_expert_scale.dtype in (mx.float32, mx.bfloat16) and gate_up_blocks.shape[0] == router_w.shape[0]):  # fmt: skip
+        return None
+    _check_stacks(gate_up_blocks, down_blocks, f, h)
+    cfg = geometry_override(MoeConfig(), MOE_GEOMETRY_ENV)
+    if not _takes(x, top_k, f, h, cfg) or router_w.shape[0] > MAX_EXPERTS:
+        return None
+    check_ticket_counters(counters, ROUTED_COUNTER_WORDS, "new_routed_counters")
+    return launch_moe_routed(x, x_router, router_w, per_expert_scale, top_k, gate_up_blocks, down_blocks, counters, f, cfg)[0]
+
 
 _ONE_SLOT: dict[tuple, tuple[mx.array, mx.array]] = {}
 
@@ -501,15 +654,30 @@ def q4_0_mlp_one_launch(x: mx.array, gate_up_stack: mx.array, down_stack: mx.arr
 # --------------------------------------------------------------------------------------------
 
 
-def _case(rng: np.random.Generator, slots: int, experts: int, f: int, h: int, cfg: MoeConfig, bad_id: bool = False):
+def _case(rng: np.random.Generator, slots: int, experts: int, f: int, h: int, cfg: MoeConfig, bad_id: bool = False,
+          routed: bool = False):  # fmt: skip
+    """routed: g4_q4_0_moe_routed's case: ids and weights from a router whose rows are xr's direction
+    times distinct logits in [-0.5, 0.5] (one bf16 rounding of a logit cannot reorder the experts; it
+    moves a weight by at most ~0.2%, which the tolerances of the weights and the output allow)."""
     from .quant_matvec import _activations, _gelu_tanh_f64, _tolerances, dequantize_f64, random_blocks
     from .registry import KernelCase, bf16_to_f32, f32_to_bf16
+    from .router import route_f64
 
     x, x64, in_dt = _activations(rng, (1, h), "bfloat16")
-    ids = rng.permutation(experts)[:slots].astype(np.int32)
-    if bad_id:
-        ids[slots // 2] = experts  # out of range: that slot's h row and the whole output are NaN
-    wts = rng.random(slots).astype(np.float32)
+    if routed:
+        xr = rng.standard_normal(h).astype(np.float32)
+        target = rng.permutation(np.linspace(-0.5, 0.5, experts))
+        wr = f32_to_bf16((target[:, None] * xr[None, :] / float(xr @ xr)).astype(np.float32))
+        xr = f32_to_bf16(xr)
+        logits = bf16_to_f32(wr).astype(np.float64) @ bf16_to_f32(xr).astype(np.float64)
+        scale = rng.uniform(0.5, 2.0, experts).astype(np.float32)
+        w64, ids = route_f64(logits[None], scale, slots)
+        wts, ids = w64[0].astype(np.float32), ids[0]
+    else:
+        ids = rng.permutation(experts)[:slots].astype(np.int32)
+        if bad_id:
+            ids[slots // 2] = experts  # out of range: that slot's h row and the whole output are NaN
+        wts = rng.random(slots).astype(np.float32)
     wgu = random_blocks(rng, Q4_0, (experts, 2 * f), h)
     wdn = random_blocks(rng, Q4_0, (experts, h), f)
     safe = np.where((ids >= 0) & (ids < experts), ids, 0)
@@ -526,11 +694,26 @@ def _case(rng: np.random.Generator, slots: int, experts: int, f: int, h: int, cf
         gelu64[slots // 2] = np.nan
         out64[:] = np.nan
     rtol, _ = _tolerances("bfloat16", 1.0)
-    plan, smem = plan_moe_experts(slots, f, h, cfg)
     # one atol for both outputs: f32 sums against the larger scale, plus a few h entries that f32
     # rounds to the other bf16 neighbour than float64 does (one ulp, 2^-8, each)
     flip = 4 * 2.0**-8 * float(np.abs(wts[:, None, None] * dn64 * hb[:, None, :]).max())
     atol = 1e-5 * max(gelu_scale, out_scale) + flip
+    if routed:
+        plan, smem = plan_moe_routed(slots, f, h, experts, "float32", cfg)
+        return KernelCase(
+            inputs={"x": x, "xr": xr, "wr": wr, "scale": scale, "wgu": wgu, "wdn": wdn,
+                    "counters": np.zeros(ROUTED_COUNTER_WORDS, np.uint32)},
+            template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
+            output_shapes=[(1, h), (slots, f), (experts,), (slots,), (slots,)],
+            output_dtypes=["bfloat16", "bfloat16", "bfloat16", "float32", "int32"],
+            expected=[out64.reshape(1, h), gelu64, logits, w64[0], ids.astype(np.float64)],
+            rtol=rtol, atol=atol, output_tolerances=[(rtol, atol + 4e-3 * out_scale), (rtol, atol), (2.0**-8, 1e-6),
+                                                     (4e-3, 1e-6), (0.0, 0.0)],
+            input_dtypes={**in_dt, "xr": "bfloat16", "wr": "bfloat16"},
+            label=f"moe_routed k={slots} E={experts} F={f} H={h} sets={cfg.sets} warps={cfg.warps}",
+            cuda_shared_memory=smem,
+        )  # fmt: skip
+    plan, smem = plan_moe_experts(slots, f, h, cfg)
     return KernelCase(
         inputs={"x": x, "ids": ids.reshape(1, slots), "wts": wts.reshape(1, slots), "wgu": wgu, "wdn": wdn,
                 "counters": np.zeros(COUNTER_WORDS, np.uint32)},
@@ -555,7 +738,17 @@ def _cases(rng: np.random.Generator):
             _case(rng, 1, 1, 64, 256, c(3, 16)), _case(rng, 1, 1, 704, 256, c(3, 16))]  # fmt: skip
 
 
+def _routed_cases(rng: np.random.Generator):
+    """8 of 128 experts (26B-A4B's route) with 8 and 16 warps, 3 of 45 (E not a multiple of 32 or
+    of the warps), one of 5 (fewer experts than warps: one router ticket with idle warps), H = 1280
+    (H not a multiple of 128 lanes x 4)."""
+    c = MoeConfig
+    return [_case(rng, 8, 128, 64, 256, c(2, 8), routed=True), _case(rng, 8, 128, 96, 512, c(3, 16), routed=True),
+            _case(rng, 3, 45, 64, 1280, c(2, 16), routed=True), _case(rng, 1, 5, 64, 256, c(3, 16), routed=True)]  # fmt: skip
+
+
 def kernel_specs():
     from .registry import KernelSpec
 
-    return [KernelSpec(_DEF.name, _DEF.input_names, _DEF.output_names, "", "", *_DEF.text["cuda"], _cases)]  # CUDA only
+    return [KernelSpec(d.name, d.input_names, d.output_names, "", "", *d.text["cuda"], cases)  # CUDA only
+            for d, cases in ((_DEF, _cases), (_DEF_ROUTED, _routed_cases))]

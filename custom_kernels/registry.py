@@ -52,6 +52,11 @@ class KernelCase:
     input_dtypes: dict[str, str] = field(default_factory=dict)  # name -> MLX dtype name override
     label: str = ""  # human-readable description for test ids
     cuda_shared_memory: int = 0  # dynamic shared memory (bytes) the CUDA kernel is created with
+    output_tolerances: list[tuple[float, float]] | None = None  # (rtol, atol) per output, else rtol and atol
+
+    def tolerance(self, i: int) -> tuple[float, float]:
+        """(rtol, atol) output i is checked with."""
+        return self.output_tolerances[i] if self.output_tolerances else (self.rtol, self.atol)
 
 
 @dataclass(frozen=True)

@@ -278,10 +278,17 @@ class Router(nn.Module):
         """The router's input: weightless norm of h times scale and H^-1/2 [..., H]."""
         return mx.fast.rms_norm(h, None, self.eps) * self.scale * self.root
 
+    @property
+    def plain_weight(self) -> mx.array | None:
+        """The projection's weight [E, H] where it is a plain bias-free nn.Linear (what the router
+        kernels take), else None."""
+        proj = self.proj
+        return proj.weight if type(proj) is nn.Linear and "bias" not in proj else None
+
     def select(self, r):
         """(weights [..., k] fp32, indices [..., k]) from the normed input r."""
         proj = self.proj
-        plain = type(proj) is nn.Linear and "bias" not in proj
+        plain = self.plain_weight is not None
         fused = plain and use_kernel("router_fused") and use_kernel("router")
         if fused and route_logits_supported(r, proj.weight, self.top_k):  # projection and route, one launch
             return route_logits(r, proj.weight, self.per_expert_scale, self.top_k, self._counters)
@@ -361,8 +368,7 @@ class DecoderLayer(nn.Module):
                 h, x = add_norm(h, y, self.post_feedforward_layernorm, *end)
             return (h, x) if last else self._ple(h, per_layer_input, next_norm)
         h, x, x_experts, x_router = self._moe_inputs(h, attn(x, offset, q_pos, cache, shared_kv, mask_fn))
-        weights, indices = self.router.select(x_router)
-        moe = self.experts(x_experts, weights, indices)
+        moe = self._experts(x_experts, x_router)
         if not self.ple and use_kernel("norm_moe_out"):  # the layer's end in one launch
             return residual_norm_moe_out(h, self.mlp(x), moe, self.post_feedforward_layernorm_1.weight,
                                          self.post_feedforward_layernorm_2.weight,
@@ -387,6 +393,13 @@ class DecoderLayer(nn.Module):
             g = gelu_tanh(gate(h)) * per_layer_input
         return linear_add_norm(self.per_layer_projection, g, h, self.post_per_layer_input_norm, next_norm,
                                self.layer_scalar, self._tickets[2])  # fmt: skip
+
+    def _experts(self, x, x_router):
+        """The experts' weighted sum for x [..., H]: the route and the experts in one launch where
+        BlockExperts.routed takes it (family "moe_route_fold"), else the router, then the experts."""
+        routed = getattr(self.experts, "routed", None)
+        moe = None if routed is None else routed(x, x_router, self.router)
+        return self.experts(x, *self.router.select(x_router)) if moe is None else moe
 
     def _moe_inputs(self, h, a):
         """A MoE layer after attention: h + post_attention_norm(a) and the three norms of it the

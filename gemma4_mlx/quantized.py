@@ -149,10 +149,24 @@ class BlockExperts(nn.Module):
         self.gate_up_type, self.down_type = gate_up_type, down_type
         self.gate_up_blocks = mx.zeros((num_experts, 2 * width, row_bytes(gate_up_type, hidden)), mx.uint8)
         self.down_blocks = mx.zeros((num_experts, hidden, row_bytes(down_type, width)), mx.uint8)
-        if gate_up_type == down_type == Q4_0:  # the one-launch kernel's tickets (not a parameter)
-            from custom_kernels.moe_experts import new_counters
+        if gate_up_type == down_type == Q4_0:  # the one-launch kernels' tickets (not parameters)
+            from custom_kernels.moe_experts import new_counters, new_routed_counters
 
             self._counters = new_counters()
+            self._routed_counters = new_routed_counters()
+
+    def routed(self, x: mx.array, x_router: mx.array, router) -> mx.array | None:
+        """The router's choice for x_router (model.Router) and the experts on x in one launch ->
+        [..., H], or None where custom_kernels.moe_experts.q4_0_moe_routed does not take the call
+        (family "moe_route_fold" off, not Q4_0, not one bf16 token, a router that is not a plain
+        bf16 projection)."""
+        w = router.plain_weight
+        if not (self.gate_up_type == self.down_type == Q4_0) or w is None:
+            return None
+        from custom_kernels.moe_experts import q4_0_moe_routed
+
+        return q4_0_moe_routed(x, x_router, w, router.per_expert_scale, router.top_k, self.gate_up_blocks,
+                               self.down_blocks, self._routed_counters, self.width)  # fmt: skip
 
     def __call__(self, x: mx.array, weights: mx.array, indices: mx.array) -> mx.array:
         """x [..., H], router weights fp32 / indices [..., k] -> [..., H] in x.dtype."""

@@ -256,3 +256,27 @@ def test_mlp_one_launch_makes_a_dense_mlp_one_kernel(graph_count, monkeypatch):
         assert graph_count.LAUNCHES.count("g4_q4_0_moe_experts") == experts + cfg.num_hidden_layers
         assert base["CustomKernel"] - one["CustomKernel"] == cfg.num_hidden_layers
         assert sum(base.values()) - sum(one.values()) >= cfg.num_hidden_layers
+
+
+def test_moe_route_fold_makes_the_route_part_of_the_expert_launch(graph_count, monkeypatch):
+    """With family "moe_route_fold" a MoE layer's route (g4_route_logits) and experts
+    (g4_q4_0_moe_experts) are one launch of g4_q4_0_moe_routed: one kernel fewer per MoE layer and
+    no other node added."""
+    import decode
+
+    import custom_kernels
+
+    cfg = decode._tiny(**_KERNEL_SHAPES, **_EXPERTS)
+    moe_layers = sum(spec.moe for spec in cfg.layers)
+    runs = {}
+    for setting in ("", "moe_route_fold"):
+        monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, setting)
+        graph_count.LAUNCHES.clear()
+        runs[setting] = graph_count.step_counts(cfg, 40)["body"], list(graph_count.LAUNCHES)
+    (base, base_launches), (fold, fold_launches) = runs[""], runs["moe_route_fold"]
+    assert moe_layers > 0 and base_launches.count("g4_q4_0_moe_routed") == 0
+    assert fold_launches.count("g4_q4_0_moe_routed") == moe_layers
+    for name in ("g4_route_logits", "g4_q4_0_moe_experts"):
+        assert base_launches.count(name) - fold_launches.count(name) == moe_layers, name
+    assert base["CustomKernel"] - fold["CustomKernel"] == moe_layers
+    assert sum(base.values()) - sum(fold.values()) == moe_layers

@@ -35,7 +35,7 @@ def test_cpu_op_is_the_two_op_reference():
 def test_registry_cases_agree_with_the_reference():
     """Each case's float64 expectation (out and h) holds for the MLX reference on the same inputs,
     within the case's own tolerance; the out-of-range case expects NaN everywhere in out."""
-    (spec,) = me.kernel_specs()
+    spec = next(s for s in me.kernel_specs() if s.name == "g4_q4_0_moe_experts")
     for case in spec.cases(np.random.default_rng(0)):
         assert list(case.inputs) == list(spec.input_names) and case.cuda_shared_memory > 0
         x = mx.array(bf16_to_f32(case.inputs["x"])).astype(mx.bfloat16)
@@ -50,6 +50,33 @@ def test_registry_cases_agree_with_the_reference():
         for got, want in ((out, case.expected[0]), (gelu.reshape(case.output_shapes[1]), case.expected[1])):
             got = np.array(got.astype(mx.float32)).reshape(want.shape)
             assert (np.abs(got - want) <= case.atol + case.rtol * np.abs(want)).all(), case.label
+
+
+def test_routed_registry_cases_agree_with_the_reference():
+    """g4_q4_0_moe_routed's cases: the MLX reference path on the same inputs (router projection,
+    route, the experts' two ops) gives their logits, ids, weights, h and out within each output's
+    tolerance; the ids exactly."""
+    from custom_kernels import router
+
+    spec = next(s for s in me.kernel_specs() if s.name == "g4_q4_0_moe_routed")
+    cases = spec.cases(np.random.default_rng(0))
+    assert len(cases) == 4
+    for case in cases:
+        assert list(case.inputs) == list(spec.input_names) and case.cuda_shared_memory > 0
+        x = mx.array(bf16_to_f32(case.inputs["x"])).astype(mx.bfloat16)
+        xr = mx.array(bf16_to_f32(case.inputs["xr"])).astype(mx.bfloat16)
+        wr = mx.array(bf16_to_f32(case.inputs["wr"])).astype(mx.bfloat16)
+        logits = router.router_logits_reference(xr[None], wr)
+        wts, ids = router.route_reference(logits, mx.array(case.inputs["scale"]), case.output_shapes[3][0])
+        gu, dn = mx.array(case.inputs["wgu"]), mx.array(case.inputs["wdn"])
+        gelu = qm.gate_up_gather_reference(x, ids, gu, qm.Q4_0, case.output_shapes[1][1])
+        out = qm.moe_down_reference(gelu, ids, wts, dn, qm.Q4_0, x.shape[-1])
+        np.testing.assert_array_equal(np.array(ids).reshape(-1), case.expected[4])
+        for i, got in enumerate((out, gelu, logits, wts)):
+            want = case.expected[i]
+            got = np.array(got.astype(mx.float32)).reshape(want.shape)
+            rtol, atol = case.tolerance(i)
+            assert (np.abs(got - want) <= atol + rtol * np.abs(want)).all(), (case.label, spec.output_names[i])
 
 
 def test_plans():
@@ -214,3 +241,39 @@ def test_fuse_projections_gives_q4_0_mlps_their_stacks(graph_count):  # the fixt
     assert stacks.intact() and stacks(mx.zeros((1, 1, 256), mx.bfloat16)) is None  # the family is off
     mlp.down_proj.blocks = mx.array(np.array(mlp.down_proj.blocks))
     assert not stacks.intact()
+
+
+def test_moe_routed_routing_on_faked_cuda(monkeypatch):
+    """q4_0_moe_routed (family "moe_route_fold", opt-in): None with the family off (or
+    moe_one_launch / router_fused off), on a CPU build, for two tokens, f32 or a router of another
+    width; with it on under faked CUDA, one launch with the router's weight, scale and top-k."""
+    rng = np.random.default_rng(9)
+    gu, dn = _layer(rng, experts=6, f=64)
+    x, wr = mx.zeros((1, 1, 256), mx.bfloat16), mx.zeros((6, 256), mx.bfloat16)
+    scale, counters = mx.ones((6,)), me.new_routed_counters()
+    args = (wr, scale, 2, gu, dn, counters, 64)
+    assert me.q4_0_moe_routed(x, x, *args) is None  # family off
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_route_fold")
+    monkeypatch.setattr(me, "backend", lambda: "cpu")
+    assert me.q4_0_moe_routed(x, x, *args) is None  # CPU build
+    calls = []
+    for mod in (me, custom_kernels):
+        monkeypatch.setattr(mod, "backend", lambda: "cuda")
+    monkeypatch.setattr(me, "cuda_arch", lambda: 90)
+
+    def launch(x, xr, w, s, k, *a, **kw):
+        calls.append((w is wr, s is scale, k))
+        return (mx.zeros(x.shape, x.dtype),)
+
+    monkeypatch.setattr(me, "launch_moe_routed", launch)
+    assert me.q4_0_moe_routed(x, x, *args).shape == (1, 1, 256) and calls == [(True, True, 2)]
+    two = mx.zeros((1, 2, 256), mx.bfloat16)
+    assert me.q4_0_moe_routed(two, two, *args) is None
+    assert me.q4_0_moe_routed(x.astype(mx.float32), x.astype(mx.float32), *args) is None
+    assert me.q4_0_moe_routed(x, x, mx.zeros((6, 128), mx.bfloat16), *args[1:]) is None
+    with pytest.raises(ValueError, match="new_routed_counters"):
+        me.q4_0_moe_routed(x, x, *args[:5], me.new_counters(), 64)
+    for off in ("moe_one_launch", "router_fused"):
+        monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, off)
+        assert me.q4_0_moe_routed(x, x, *args) is None
+    assert len(calls) == 1

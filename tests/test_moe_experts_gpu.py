@@ -212,3 +212,43 @@ def test_dense_mlp_in_one_launch(h, f, monkeypatch):
     assert one is not None and one.shape == (1, 1, h) and one.dtype == mx.bfloat16
     for a in (one, again):
         np.testing.assert_array_equal(np.array(a.astype(mx.float32)).reshape(-1), got)
+
+
+@pytest.mark.parametrize("experts, slots, cfg", [(128, 8, None), (128, 8, me.MoeConfig(2, 8)), (45, 3, None)],
+                         ids=["26B-A4B", "26B-A4B-8warps", "45-experts"])  # fmt: skip
+def test_routed_launch_equals_route_then_experts(experts, slots, cfg, monkeypatch):
+    """Family "moe_route_fold": the route folded into the expert launch gives the bits of
+    router.route_logits then q4_0_moe_experts (the same sums in the same order), at 26B-A4B's
+    shapes (128 experts, top 8, H 2816, F 704); its logits, ids and weights too; the same bits on
+    a second and third call (the counters were reset), and a chain of dependent calls in one graph."""
+    from custom_kernels import router
+
+    rng = np.random.default_rng(experts + slots)
+    gu = mx.array(qm.random_blocks(rng, qm.Q4_0, (experts, 2 * F), H))
+    dn = mx.array(qm.random_blocks(rng, qm.Q4_0, (experts, H), F))
+    x = mx.array(rng.standard_normal((1, 1, H)).astype(np.float32)).astype(mx.bfloat16)
+    xr = mx.array(rng.standard_normal((1, 1, H)).astype(np.float32)).astype(mx.bfloat16)
+    wr = mx.array((rng.standard_normal((experts, H)) * 0.05).astype(np.float32)).astype(mx.bfloat16)
+    scale = mx.array(rng.uniform(0.5, 2.0, experts).astype(np.float32))
+    wts, ids = router.route_logits(xr, wr, scale, slots, router.new_router_counters())
+    want = me.launch_moe_experts(x, ids, wts, gu, dn, me.new_counters(), F, cfg)[0]
+    counters = me.new_routed_counters()
+    out, h, logits, w_k, ids_k = me.launch_moe_routed(x, xr, wr, scale, slots, gu, dn, counters, F, cfg)
+    np.testing.assert_array_equal(np.array(ids_k), np.array(ids).reshape(-1))
+    np.testing.assert_array_equal(np.array(w_k), np.array(wts).reshape(-1))
+    np.testing.assert_array_equal(np.array(logits.astype(mx.float32)),
+                                  np.array(router.router_logits(xr, wr).astype(mx.float32)).reshape(-1))  # fmt: skip
+    got = np.array(out.astype(mx.float32))
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, np.array(want.astype(mx.float32)))
+    for _ in range(2):
+        again = me.launch_moe_routed(x, xr, wr, scale, slots, gu, dn, counters, F, cfg)[0]
+        np.testing.assert_array_equal(np.array(again.astype(mx.float32)), got)
+    if cfg is None:  # the op, and a chain: each call's output is the next one's x and router input
+        monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_route_fold")
+        y, z = x, x
+        for _ in range(3):
+            y = me.q4_0_moe_routed(y, y, wr, scale, slots, gu, dn, counters, F)
+            w_c, i_c = router.route_logits(z, wr, scale, slots, router.new_router_counters())
+            z = me.q4_0_moe_experts(z, i_c, w_c, gu, dn, me.new_counters(), F)
+        np.testing.assert_array_equal(np.array(y.astype(mx.float32)), np.array(z.astype(mx.float32)))

@@ -56,9 +56,9 @@ def _launch(spec, case) -> list[np.ndarray]:
 
 def check(spec, case, outs: list[np.ndarray]) -> None:
     """Raise metal_emulator's EmulatorError unless every output matches the case's expectation."""
-    for name, out, dtype, expected in zip(spec.output_names, outs, case.output_dtypes, case.expected):
+    for i, (name, out, dtype, expected) in enumerate(zip(spec.output_names, outs, case.output_dtypes, case.expected)):
         # bf16 outputs arrive as float32 values, so compare them as float32
-        compare(spec.name, name, out, "float32" if dtype == "bfloat16" else dtype, expected, case.rtol, case.atol,
+        compare(spec.name, name, out, "float32" if dtype == "bfloat16" else dtype, expected, *case.tolerance(i),
                 case.label)  # fmt: skip
 
 

@@ -83,6 +83,7 @@ def check_case(kernel: EmulatedKernel, case: Any, label: str = "") -> list[np.nd
         init_value=getattr(case, "init_value", None),
     )
     label = label or getattr(case, "label", "")
-    for name, out, dtype, exp in zip(kernel.output_names, outs, case.output_dtypes, case.expected):
-        compare(kernel.name, name, out, dtypes.dtype_name(dtype), exp, case.rtol, case.atol, label)
+    for i, (name, out, dtype, exp) in enumerate(zip(kernel.output_names, outs, case.output_dtypes, case.expected)):
+        rtol, atol = case.tolerance(i) if hasattr(case, "tolerance") else (case.rtol, case.atol)
+        compare(kernel.name, name, out, dtypes.dtype_name(dtype), exp, rtol, atol, label)
     return outs
