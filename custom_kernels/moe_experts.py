@@ -54,7 +54,7 @@ from . import (backend, check_ticket_counters, cuda_arch, dtype_name, geometry_o
                ticket_counters, use_kernel)
 from .attention import _text as attention_text
 from .dialect import prelude, render
-from .router import MAX_EXPERTS, _fused_route_body
+from .router import LOGIT_SUM, MAX_EXPERTS, _fused_route_body
 from .quant_matvec import (
     _MMA_HEADER_CUDA,
     _RUNS_HEADER_CUDA,
@@ -393,17 +393,8 @@ _ROUTER_TICKETS_CUDA = r"""
     __shared__ int g4_last;
     const int er = g4_ticket * NW + warp;
     if (er < E) {
-      const T* wrow = wr + (size_t)er * H;
-      float acc = 0.0f;
-      for (int c = 4 * lane; c < H; c += 128) {
-        float a[4];
-        float b[4];
-        g4_load4(xr + c, a);
-        g4_load4(wrow + c, b);
-        acc += a[0] * b[0] + a[1] * b[1] + a[2] * b[2] + a[3] * b[3];
-      }
-      acc = g4_simd_sum(acc);
-      if (lane == 0) {
+      const T* wr = router + (size_t)er * H;
+LOGIT_SUM      if (lane == 0) {
         logits[er] = static_cast<T>(acc);
         __threadfence();
       }
@@ -438,7 +429,8 @@ def _routed_body() -> str:
         ("  unsigned int* blocks_done = tickets + 64;\n",
          "  unsigned int* blocks_done = tickets + 64;\n  unsigned int* routed = tickets + 96;  // router tickets done, + 1 once routed\n", 1),
         ("  const int ticket = g4_ticket;\n", "  const int ticket = g4_ticket - TR;  // the experts' tickets from 0, the router's below\n", 1),
-        ("  if (ticket < TA) {", _ROUTER_TICKETS_CUDA.replace("ROUTE\n", "      {\n" + route + "      }\n"), 1),
+        ("  if (ticket < TA) {", _ROUTER_TICKETS_CUDA.replace("ROUTE\n", "      {\n" + route + "      }\n").replace(
+            "LOGIT_SUM", render(LOGIT_SUM, "cuda")), 1),
         ("ids[slot]", "__ldcg(ids + slot)", 2), ("ids[sl]", "__ldcg(ids + sl)", 1), ("wts[sl]", "__ldcg(wts + sl)", 1),
         ("      atomicExch(blocks_done, 0u);\n", "      atomicExch(blocks_done, 0u);\n      atomicExch(routed, 0u);\n", 1),
     ):  # fmt: skip
@@ -450,7 +442,7 @@ def _routed_body() -> str:
 ROUTED_COUNTER_WORDS = 128
 """uint32 words of a routed call's counters: four counters 128 bytes apart."""
 
-_DEF_ROUTED = _KernelDef("g4_q4_0_moe_routed", "moe_route_fold", Q4_0, ("x", "xr", "wr", "scale", "wgu", "wdn", "counters"),
+_DEF_ROUTED = _KernelDef("g4_q4_0_moe_routed", "moe_route_fold", Q4_0, ("x", "xr", "router", "scale", "wgu", "wdn", "counters"),
                          ("out", "h", "logits", "wts", "ids"), ("T", "TS", "NW", "SETS", "S", "SMEM", "EPL"),
                          {"metal": ("", ""), "cuda": (attention_text("")["cuda"][0] + _MMA_HEADER_CUDA + _STREAM_HEADER_CUDA
                                                       + _RUNS_HEADER_CUDA + _WAIT_UPTO_CUDA, _routed_body())})  # fmt: skip
@@ -701,7 +693,7 @@ def _case(rng: np.random.Generator, slots: int, experts: int, f: int, h: int, cf
     if routed:
         plan, smem = plan_moe_routed(slots, f, h, experts, "float32", cfg)
         return KernelCase(
-            inputs={"x": x, "xr": xr, "wr": wr, "scale": scale, "wgu": wgu, "wdn": wdn,
+            inputs={"x": x, "xr": xr, "router": wr, "scale": scale, "wgu": wgu, "wdn": wdn,
                     "counters": np.zeros(ROUTED_COUNTER_WORDS, np.uint32)},
             template=plan.template, grid=plan.grid, threadgroup=plan.threadgroup,
             output_shapes=[(1, h), (slots, f), (experts,), (slots,), (slots,)],
@@ -709,7 +701,7 @@ def _case(rng: np.random.Generator, slots: int, experts: int, f: int, h: int, cf
             expected=[out64.reshape(1, h), gelu64, logits, w64[0], ids.astype(np.float64)],
             rtol=rtol, atol=atol, output_tolerances=[(rtol, atol + 4e-3 * out_scale), (rtol, atol), (2.0**-8, 1e-6),
                                                      (4e-3, 1e-6), (0.0, 0.0)],
-            input_dtypes={**in_dt, "xr": "bfloat16", "wr": "bfloat16"},
+            input_dtypes={**in_dt, "xr": "bfloat16", "router": "bfloat16"},
             label=f"moe_routed k={slots} E={experts} F={f} H={h} sets={cfg.sets} warps={cfg.warps}",
             cuda_shared_memory=smem,
         )  # fmt: skip

@@ -106,15 +106,7 @@ _ROUTE = KernelSource("g4_moe_route", ("logits", "scale"), ("weights", "indices"
 
 # Template: T (x, w and out dtype), H (row length, a multiple of 4), NSG (SIMD groups per
 # threadgroup). Grid: x = 32 NSG x ceil(E / NSG) threads (SIMD group = expert row), y = tokens.
-_LOGITS_BODY = r"""
-  // gemma4-mlx router_logits: out[m, e] = sum_k x[m, k] w[e, k], f32 sums, rounded once to T
-  const int E = w_shape[0];
-  const int e = $tg_x * NSG + $simd;
-  if (e >= E) return;  // a whole SIMD group: e is the same for its lanes
-  const int m = $tg_y;
-  const $device T* xr = x + (size_t)m * H;
-  const $device T* wr = w + (size_t)e * H;
-  float acc = 0.0f;
+LOGIT_SUM = r"""  float acc = 0.0f;
   $unroll for (int c = 4 * $lane; c < H; c += 128) {
     float a[4];
     float b[4];
@@ -123,7 +115,18 @@ _LOGITS_BODY = r"""
     acc += a[0] * b[0] + a[1] * b[1] + a[2] * b[2] + a[3] * b[3];
   }
   acc = g4_simd_sum(acc);
-  if ($lane == 0) out[(size_t)m * E + e] = static_cast<T>(acc);
+"""
+"""One logit, sum_k xr[k] wr[k] over H, in f32 (every lane's own order, then the SIMD sum): also
+the routed expert kernel's (custom_kernels.moe_experts), so both give the same bits."""
+_LOGITS_BODY = r"""
+  // gemma4-mlx router_logits: out[m, e] = sum_k x[m, k] w[e, k], f32 sums, rounded once to T
+  const int E = w_shape[0];
+  const int e = $tg_x * NSG + $simd;
+  if (e >= E) return;  // a whole SIMD group: e is the same for its lanes
+  const int m = $tg_y;
+  const $device T* xr = x + (size_t)m * H;
+  const $device T* wr = w + (size_t)e * H;
+""" + LOGIT_SUM + r"""  if ($lane == 0) out[(size_t)m * E + e] = static_cast<T>(acc);
 """
 _LOGITS = KernelSource("g4_router_logits", ("x", "w"), ("out",), attention_text(_LOGITS_BODY))
 _LOGITS_NSG = 4

@@ -65,7 +65,7 @@ def test_routed_registry_cases_agree_with_the_reference():
         assert list(case.inputs) == list(spec.input_names) and case.cuda_shared_memory > 0
         x = mx.array(bf16_to_f32(case.inputs["x"])).astype(mx.bfloat16)
         xr = mx.array(bf16_to_f32(case.inputs["xr"])).astype(mx.bfloat16)
-        wr = mx.array(bf16_to_f32(case.inputs["wr"])).astype(mx.bfloat16)
+        wr = mx.array(bf16_to_f32(case.inputs["router"])).astype(mx.bfloat16)
         logits = router.router_logits_reference(xr[None], wr)
         wts, ids = router.route_reference(logits, mx.array(case.inputs["scale"]), case.output_shapes[3][0])
         gu, dn = mx.array(case.inputs["wgu"]), mx.array(case.inputs["wdn"])
