@@ -591,10 +591,10 @@ def q4_0_moe_routed(x: mx.array, x_router: mx.array, router_w: mx.array, per_exp
                     gate_up_blocks: mx.array, down_blocks: mx.array, counters: mx.array, f: int) -> mx.array | None:  # fmt: skip
     """A MoE layer's route (router.route_logits of x_router, router_w [E, H] bf16) and its Q4_0
     experts (q4_0_moe_experts of x) in one launch -> [..., H] bf16, or None where family
-    "moe_route_fold" (or "moe_one_launch", "router_fused") is off or the kernel does not take the
-    call: one bf16 token, bf16 router weights, E <= MAX_EXPERTS (the caller then routes and runs the
+    "moe_route_fold" (or "moe_one_launch", "router_fused", "router") is off or the kernel does not
+    take the call: one bf16 token, bf16 router weights, 1 <= top_k <= E <= MAX_EXPERTS (the caller then routes and runs the
     experts as before). counters: new_routed_counters(), one per layer."""
-    if not all(use_kernel(fam) for fam in ("moe_route_fold", "moe_one_launch", "router_fused")):
+    if not all(use_kernel(fam) for fam in ("moe_route_fold", "moe_one_launch", "router_fused", "router")):
         return None
     h = x.shape[-1]
     if not (x.dtype == x_router.dtype == router_w.dtype == mx.bfloat16 and x.size == h and x_router.shape == x.shape
@@ -603,7 +603,7 @@ def q4_0_moe_routed(x: mx.array, x_router: mx.array, router_w: mx.array, per_exp
         return None
     _check_stacks(gate_up_blocks, down_blocks, f, h)
     cfg = geometry_override(MoeConfig(), MOE_GEOMETRY_ENV)
-    if not _takes(x, top_k, f, h, cfg) or router_w.shape[0] > MAX_EXPERTS:
+    if not _takes(x, top_k, f, h, cfg) or not 1 <= top_k <= router_w.shape[0] <= MAX_EXPERTS:
         return None
     check_ticket_counters(counters, ROUTED_COUNTER_WORDS, "new_routed_counters")
     return launch_moe_routed(x, x_router, router_w, per_expert_scale, top_k, gate_up_blocks, down_blocks, counters, f, cfg)[0]

@@ -245,8 +245,8 @@ def test_fuse_projections_gives_q4_0_mlps_their_stacks(graph_count):  # the fixt
 
 def test_moe_routed_routing_on_faked_cuda(monkeypatch):
     """q4_0_moe_routed (family "moe_route_fold", opt-in): None with the family off (or
-    moe_one_launch / router_fused off), on a CPU build, for two tokens, f32 or a router of another
-    width; with it on under faked CUDA, one launch with the router's weight, scale and top-k."""
+    moe_one_launch / router_fused / router off), on a CPU build, for two tokens, f32, a router of
+    another width or top_k above E; with it on under faked CUDA, one launch with the router's weight, scale and top-k."""
     rng = np.random.default_rng(9)
     gu, dn = _layer(rng, experts=6, f=64)
     x, wr = mx.zeros((1, 1, 256), mx.bfloat16), mx.zeros((6, 256), mx.bfloat16)
@@ -271,9 +271,10 @@ def test_moe_routed_routing_on_faked_cuda(monkeypatch):
     assert me.q4_0_moe_routed(two, two, *args) is None
     assert me.q4_0_moe_routed(x.astype(mx.float32), x.astype(mx.float32), *args) is None
     assert me.q4_0_moe_routed(x, x, mx.zeros((6, 128), mx.bfloat16), *args[1:]) is None
+    assert me.q4_0_moe_routed(x, x, wr[:1], scale[:1], 2, gu[:1], dn[:1], counters, 64) is None  # top_k > E
     with pytest.raises(ValueError, match="new_routed_counters"):
         me.q4_0_moe_routed(x, x, *args[:5], me.new_counters(), 64)
-    for off in ("moe_one_launch", "router_fused"):
+    for off in ("moe_one_launch", "router_fused", "router"):
         monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, off)
         assert me.q4_0_moe_routed(x, x, *args) is None
     assert len(calls) == 1
