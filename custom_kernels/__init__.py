@@ -163,8 +163,11 @@ OPT_IN = frozenset({"matvec_norm", "attention_staged", "mlp_one_launch", "moe_ro
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
 "moe_route_fold" (a MoE layer's router projection and route folded into the one-launch experts
 kernel as its first tickets, custom_kernels.moe_experts.q4_0_moe_routed, CUDA sm_80+; needs
-"moe_one_launch" and "router_fused" on: one launch per MoE layer fewer): written in session 32
-after the device time, compiled by nvcc, not yet run on a GPU (kernel g4_q4_0_moe_routed pending);
+"moe_one_launch", "router_fused" and "router" on: one launch per MoE layer fewer): passed its
+registry cases and its operator test (bit-equal to route_logits then the experts kernel) in
+session 32 but lost there: 26B-A4B at 4K in one process 274.0 against 296.0 tok/s, 0 of 3 rounds
+(its waiting expert tickets take every SM, so the dense MLP's branch no longer runs beside the
+route: bench/NOTES.md);
 "mlp_one_launch" (a dense Q4_0 MLP's one bf16 token through the g4_q4_0_moe_experts text as its
 only slot, id 0 of one-expert views of the MLP's blocks, weight 1: gate|up, GeGLU and down in one
 launch instead of two; CUDA sm_80+, and only where its shared memory allows two threadgroups per SM:

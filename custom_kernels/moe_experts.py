@@ -376,7 +376,9 @@ COUNTER_WORDS = 96
 # g4_route_logits' route text (softmax, top-S, renormalised weights times the per-expert scale),
 # writes ids and weights, then counts once more. Every experts ticket first waits for that count
 # (tickets in order: the router tickets never wait, so it cannot deadlock) and reads ids and weights
-# through L2 (written in this launch).
+# through L2 (written in this launch). Bit-equal to the two launches on the H200 but slower there
+# (26B-A4B 274.0 against 296.0 tok/s): the waiting expert tickets hold every SM, so the dense MLP's
+# launches, which ran beside route_logits, wait for this one (bench/NOTES.md, session 32).
 _ROUTER_TICKETS_CUDA = r"""
   if (ticket >= 0 && threadIdx.x == 0) {  // the experts' tickets read the route: wait for it
     unsigned int done, pause = 32;
