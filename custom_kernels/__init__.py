@@ -149,8 +149,8 @@ dequantized and scaled in one launch, custom_kernels.embedding: one graph node f
 passed the Metal emulator, its GPU operator tests (bit-equal to the MLX ops) and compute-sanitizer
 memcheck in session 31 and the model tests (every family on) in session 32, and became a CUDA
 default there (in one process at 4K: E2B 196.4 against 188.1 tok/s, 3 of 3 rounds; 26B-A4B 159.7
-against 157.4, 3 of 3; E4B 169.9 / 143.9 against 160.4 / 137.5 in two runs, 2 of 3 each, and
-256.1 against 252.0 in session 31).
+against 157.4, 3 of 3; E4B undecided, its rounds swinging 15-25%: ahead in 2 of 3 rounds in two
+runs, behind in 2 of 3 in a third, 256.1 against 252.0 in session 31).
 The exact texts that passed are pinned in gpu_tested.json (tests/test_kernel_provenance.py)."""
 
 CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "quant_matvec_runs", "quant_matvec_runs_m",
@@ -171,8 +171,9 @@ route: bench/NOTES.md);
 "mlp_one_launch" (a dense Q4_0 MLP's one bf16 token through the g4_q4_0_moe_experts text as its
 only slot, id 0 of one-expert views of the MLP's blocks, weight 1: gate|up, GeGLU and down in one
 launch instead of two; CUDA sm_80+, and only where its shared memory allows two threadgroups per SM:
-moe_experts.MLP_SHARED_LIMIT): passed its operator test at 26B-A4B's, E2B's, E4B's and 12B's dense
-shapes and the model tests in session 32, but showed no gain there: in one process at 4K 26B-A4B
+moe_experts.MLP_SHARED_LIMIT): its kernel passed the operator test at 26B-A4B's, E2B's, E4B's and
+12B's dense shapes and the model tests in session 32 (the op's None above the limit, E4B's and
+12B's, has not run on a GPU), but showed no gain there: in one process at 4K 26B-A4B
 158.3 against 157.4 tok/s (2 of 3 rounds), E2B 186.3 against 188.1 (1 of 3), and E4B (before the
 shared-memory limit, with the text whose down tickets used 2 of 16 warps at one slot) 104.8
 against 160.4;

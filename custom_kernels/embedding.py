@@ -18,7 +18,7 @@ token id outside [0, V) gives a row of NaN instead of reading past the table.
 
 Family "embedding": a CUDA default since session 32 (opt-in on Metal). Bit-equal to the reference
 on the H200 (session 31); in one process at 4K E2B 196.4 against 188.1 tok/s, ahead in 3 of 3
-rounds, 26B-A4B 159.7 against 157.4 (3 of 3), E4B ahead in 2 of 3 in each of two runs.
+rounds, 26B-A4B 159.7 against 157.4 (3 of 3); E4B undecided (its rounds swing 15-25%).
 """
 
 from __future__ import annotations

@@ -40,6 +40,10 @@ layer of a decode step); two calls that could run at once must not share one. A 
 reaches its value (it cannot, short of a kernel killed midway) ends the wait with a trap after ~4 s
 instead of a hang. Expert ids outside [0, E) make their slot's h row and the whole output NaN, as
 in the two-launch kernels.
+
+``q4_0_moe_routed`` (family "moe_route_fold", opt-in) is the same launch with the router's
+projection and route as its first tickets (kernel g4_q4_0_moe_routed, counters uint32 [128]);
+``q4_0_mlp_one_launch`` (family "mlp_one_launch", opt-in) runs a dense MLP through it as one slot.
 """
 
 from __future__ import annotations
@@ -423,6 +427,13 @@ def _routed_body() -> str:
                      ("  if (lane == 0) *done = 0u;\n", "")):  # fmt: skip
         assert route.count(old) == 1, old
         route = route.replace(old, new)
+    def _router_tickets(route: str) -> str:
+        text = _ROUTER_TICKETS_CUDA
+        for old, new in (("ROUTE\n", "      {\n" + route + "      }\n"), ("LOGIT_SUM", render(LOGIT_SUM, "cuda"))):
+            assert text.count(old) == 1, old
+            text = text.replace(old, new)
+        return text
+
     body = _BODY_CUDA
     for old, new, n in (
         ("q4_0 MoE experts in one launch (CUDA): gate|up", "q4_0 MoE route and experts in one launch (CUDA): route, gate|up", 1),
@@ -431,8 +442,7 @@ def _routed_body() -> str:
         ("  unsigned int* blocks_done = tickets + 64;\n",
          "  unsigned int* blocks_done = tickets + 64;\n  unsigned int* routed = tickets + 96;  // router tickets done, + 1 once routed\n", 1),
         ("  const int ticket = g4_ticket;\n", "  const int ticket = g4_ticket - TR;  // the experts' tickets from 0, the router's below\n", 1),
-        ("  if (ticket < TA) {", _ROUTER_TICKETS_CUDA.replace("ROUTE\n", "      {\n" + route + "      }\n").replace(
-            "LOGIT_SUM", render(LOGIT_SUM, "cuda")), 1),
+        ("  if (ticket < TA) {", _router_tickets(route), 1),
         ("ids[slot]", "__ldcg(ids + slot)", 2), ("ids[sl]", "__ldcg(ids + sl)", 1), ("wts[sl]", "__ldcg(wts + sl)", 1),
         ("      atomicExch(blocks_done, 0u);\n", "      atomicExch(blocks_done, 0u);\n      atomicExch(routed, 0u);\n", 1),
     ):  # fmt: skip
@@ -444,7 +454,7 @@ def _routed_body() -> str:
 ROUTED_COUNTER_WORDS = 128
 """uint32 words of a routed call's counters: four counters 128 bytes apart."""
 
-_DEF_ROUTED = _KernelDef("g4_q4_0_moe_routed", "moe_route_fold", Q4_0, ("x", "xr", "router", "scale", "wgu", "wdn", "counters"),
+_DEF_ROUTED = _KernelDef("g4_q4_0_moe_routed", "moe_routed", Q4_0, ("x", "xr", "router", "scale", "wgu", "wdn", "counters"),
                          ("out", "h", "logits", "wts", "ids"), ("T", "TS", "NW", "SETS", "S", "SMEM", "EPL"),
                          {"metal": ("", ""), "cuda": (attention_text("")["cuda"][0] + _MMA_HEADER_CUDA + _STREAM_HEADER_CUDA
                                                       + _RUNS_HEADER_CUDA + _WAIT_UPTO_CUDA, _routed_body())})  # fmt: skip
@@ -549,12 +559,6 @@ def q4_0_moe_experts(x: mx.array, ids: mx.array, weights: mx.array, gate_up_bloc
     return q4_0_moe_down(gelu, ids, weights, down_blocks, x.shape[-1])
 
 
-MLP_SHARED_LIMIT = 100 * 1024
-"""The most shared memory per threadgroup at which a dense MLP takes the one launch: two threadgroups
-per SM (26B-A4B's F = 2112: 79.8 KB; E2B's F = 6144: 66.0 KB). Above it (E4B's F = 10240: 110.0 KB,
-one threadgroup per SM) the launch ran slower than the two it replaces: E4B at 4K 104.8 against 160.4
-tok/s (bench/NOTES.md, session 32)."""
-
 def new_routed_counters() -> mx.array:
     """The zeroed uint32 [128] counters one sequence of q4_0_moe_routed calls shares (one per layer)."""
     return ticket_counters(ROUTED_COUNTER_WORDS)
@@ -599,16 +603,26 @@ def q4_0_moe_routed(x: mx.array, x_router: mx.array, router_w: mx.array, per_exp
     if not all(use_kernel(fam) for fam in ("moe_route_fold", "moe_one_launch", "router_fused", "router")):
         return None
     h = x.shape[-1]
-    if not (x.dtype == x_router.dtype == router_w.dtype == mx.bfloat16 and x.size == h and x_router.shape == x.shape
-            and router_w.ndim == 2 and router_w.shape[1] == h and per_expert_scale.shape == (router_w.shape[0],)
-            and per_expert_scale.dtype in (mx.float32, mx.bfloat16) and gate_up_blocks.shape[0] == router_w.shape[0]):  # fmt: skip
-        return None
     _check_stacks(gate_up_blocks, down_blocks, f, h)
+    e = gate_up_blocks.shape[0]
+    if router_w.shape[0] != e or per_expert_scale.shape != (e,):
+        raise ValueError(f"moe_routed: the router's weight [E, H] and per-expert scale [E] must have the stacks' "
+                         f"E = {e} experts, got {router_w.shape} and {per_expert_scale.shape}")  # fmt: skip
+    if not (x.dtype == x_router.dtype == router_w.dtype == mx.bfloat16 and x.size == h and x_router.shape == x.shape
+            and router_w.ndim == 2 and router_w.shape[1] == h and per_expert_scale.dtype in (mx.float32, mx.bfloat16)):  # fmt: skip
+        return None
     cfg = geometry_override(MoeConfig(), MOE_GEOMETRY_ENV)
     if not _takes(x, top_k, f, h, cfg) or not 1 <= top_k <= router_w.shape[0] <= MAX_EXPERTS:
         return None
     check_ticket_counters(counters, ROUTED_COUNTER_WORDS, "new_routed_counters")
     return launch_moe_routed(x, x_router, router_w, per_expert_scale, top_k, gate_up_blocks, down_blocks, counters, f, cfg)[0]
+
+
+MLP_SHARED_LIMIT = 100 * 1024
+"""The most shared memory per threadgroup at which a dense MLP takes the one launch: two threadgroups
+per SM (26B-A4B's F = 2112: 79.8 KB; E2B's F = 6144: 66.0 KB). Above it (E4B's F = 10240: 110.0 KB,
+one threadgroup per SM) the launch ran slower than the two it replaces: E4B at 4K 104.8 against 160.4
+tok/s (bench/NOTES.md, session 32)."""
 
 
 _ONE_SLOT: dict[tuple, tuple[mx.array, mx.array]] = {}

@@ -54,6 +54,10 @@ class KernelCase:
     cuda_shared_memory: int = 0  # dynamic shared memory (bytes) the CUDA kernel is created with
     output_tolerances: list[tuple[float, float]] | None = None  # (rtol, atol) per output, else rtol and atol
 
+    def __post_init__(self):
+        if self.output_tolerances is not None and len(self.output_tolerances) != len(self.expected):
+            raise ValueError(f"{self.label}: {len(self.output_tolerances)} output tolerances for {len(self.expected)} outputs")
+
     def tolerance(self, i: int) -> tuple[float, float]:
         """(rtol, atol) output i is checked with."""
         return self.output_tolerances[i] if self.output_tolerances else (self.rtol, self.atol)

@@ -368,7 +368,7 @@ class DecoderLayer(nn.Module):
                 h, x = add_norm(h, y, self.post_feedforward_layernorm, *end)
             return (h, x) if last else self._ple(h, per_layer_input, next_norm)
         h, x, x_experts, x_router = self._moe_inputs(h, attn(x, offset, q_pos, cache, shared_kv, mask_fn))
-        moe = self._experts(x_experts, x_router)
+        moe = self._moe_branch(x_experts, x_router)
         if not self.ple and use_kernel("norm_moe_out"):  # the layer's end in one launch
             return residual_norm_moe_out(h, self.mlp(x), moe, self.post_feedforward_layernorm_1.weight,
                                          self.post_feedforward_layernorm_2.weight,
@@ -394,11 +394,12 @@ class DecoderLayer(nn.Module):
         return linear_add_norm(self.per_layer_projection, g, h, self.post_per_layer_input_norm, next_norm,
                                self.layer_scalar, self._tickets[2])  # fmt: skip
 
-    def _experts(self, x, x_router):
+    def _moe_branch(self, x, x_router):
         """The experts' weighted sum for x [..., H]: the route and the experts in one launch where
-        BlockExperts.routed takes it (family "moe_route_fold"), else the router, then the experts."""
-        routed = getattr(self.experts, "routed", None)
-        moe = None if routed is None else routed(x, x_router, self.router)
+        BlockExperts.route_and_run takes it (family "moe_route_fold"), else the router, then the
+        experts."""
+        route_and_run = getattr(self.experts, "route_and_run", None)
+        moe = None if route_and_run is None else route_and_run(x, x_router, self.router)
         return self.experts(x, *self.router.select(x_router)) if moe is None else moe
 
     def _moe_inputs(self, h, a):

@@ -155,7 +155,7 @@ class BlockExperts(nn.Module):
             self._counters = new_counters()
             self._routed_counters = new_routed_counters()
 
-    def routed(self, x: mx.array, x_router: mx.array, router) -> mx.array | None:
+    def route_and_run(self, x: mx.array, x_router: mx.array, router) -> mx.array | None:
         """The router's choice for x_router (model.Router) and the experts on x in one launch ->
         [..., H], or None where custom_kernels.moe_experts.q4_0_moe_routed does not take the call
         (family "moe_route_fold" off, not Q4_0, not one bf16 token, a router that is not a plain

@@ -30,9 +30,9 @@ def test_kernel_equals_reference(k, ggml_type, dtype, monkeypatch):
     for ids in ([[7]], [[0, 299, 123, 7, 7]]):
         tokens = mx.array(ids, mx.int32)
         want = embedding.embed_rows_reference(blocks, tokens, ggml_type, k, k**0.5, dtype)
-        monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "embedding")
+        monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)  # a CUDA default
+        assert custom_kernels.use_kernel("embedding")
         got = embedding.embed_rows(blocks, tokens, ggml_type, k, k**0.5, dtype)
-        monkeypatch.delenv(custom_kernels.UNPROVEN_ENV)
         assert got.shape == want.shape == (*tokens.shape, k) and got.dtype == dtype
         np.testing.assert_array_equal(np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32)))
 
@@ -40,7 +40,7 @@ def test_kernel_equals_reference(k, ggml_type, dtype, monkeypatch):
 def test_ids_outside_the_table_give_nan_rows(monkeypatch):
     rng = np.random.default_rng(0)
     blocks = mx.array(random_blocks(rng, Q8_0, (10,), 256))
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "embedding")
+    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)  # a CUDA default
     out = np.asarray(embedding.embed_rows(blocks, mx.array([3, 10, -1, 9], mx.int32), Q8_0, 256, 16.0, mx.bfloat16)
                      .astype(mx.float32))  # fmt: skip
     assert np.isnan(out[1]).all() and np.isnan(out[2]).all()

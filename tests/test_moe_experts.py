@@ -190,6 +190,16 @@ def test_geometry_override(monkeypatch):
             me.launch_moe_experts(*args)
 
 
+def _fake_cuda(monkeypatch):
+    """A CUDA build on an sm_90 GPU, as far as custom_kernels and moe_experts can tell."""
+    for mod in (me, custom_kernels):
+        monkeypatch.setattr(mod, "backend", lambda: "cuda")
+    monkeypatch.setattr(me, "cuda_arch", lambda: 90)
+    monkeypatch.delenv(custom_kernels.KERNELS_ENV, raising=False)
+    monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV, raising=False)
+    monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
+
+
 def test_mlp_one_launch_routing_on_faked_cuda(monkeypatch):
     """q4_0_mlp_one_launch (family "mlp_one_launch", opt-in): None with the family off, on a CPU
     build, for two tokens or f32; with it on under faked CUDA, one launch of the expert kernel with
@@ -197,14 +207,13 @@ def test_mlp_one_launch_routing_on_faked_cuda(monkeypatch):
     rng = np.random.default_rng(5)
     gu, dn = _layer(rng, experts=1, f=128)
     x, counters = mx.zeros((1, 1, 256), mx.bfloat16), me.new_counters()
+    _fake_cuda(monkeypatch)
     assert me.q4_0_mlp_one_launch(x, gu, dn, counters, 128) is None  # family off
     monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "mlp_one_launch")
     monkeypatch.setattr(me, "backend", lambda: "cpu")
-    assert me.q4_0_mlp_one_launch(x, gu, dn, counters, 128) is None  # CPU build
-    calls = []
+    assert me.q4_0_mlp_one_launch(x, gu, dn, counters, 128) is None  # the op's own check: a CPU build
     monkeypatch.setattr(me, "backend", lambda: "cuda")
-    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(me, "cuda_arch", lambda: 90)
+    calls = []
 
     def launch(x, ids, wts, *a, **k):
         calls.append((np.array(ids).tolist(), np.array(wts).tolist()))
@@ -252,14 +261,13 @@ def test_moe_routed_routing_on_faked_cuda(monkeypatch):
     x, wr = mx.zeros((1, 1, 256), mx.bfloat16), mx.zeros((6, 256), mx.bfloat16)
     scale, counters = mx.ones((6,)), me.new_routed_counters()
     args = (wr, scale, 2, gu, dn, counters, 64)
+    _fake_cuda(monkeypatch)
     assert me.q4_0_moe_routed(x, x, *args) is None  # family off
     monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "moe_route_fold")
     monkeypatch.setattr(me, "backend", lambda: "cpu")
-    assert me.q4_0_moe_routed(x, x, *args) is None  # CPU build
+    assert me.q4_0_moe_routed(x, x, *args) is None  # the op's own check: a CPU build
+    monkeypatch.setattr(me, "backend", lambda: "cuda")
     calls = []
-    for mod in (me, custom_kernels):
-        monkeypatch.setattr(mod, "backend", lambda: "cuda")
-    monkeypatch.setattr(me, "cuda_arch", lambda: 90)
 
     def launch(x, xr, w, s, k, *a, **kw):
         calls.append((w is wr, s is scale, k))
@@ -272,6 +280,10 @@ def test_moe_routed_routing_on_faked_cuda(monkeypatch):
     assert me.q4_0_moe_routed(x.astype(mx.float32), x.astype(mx.float32), *args) is None
     assert me.q4_0_moe_routed(x, x, mx.zeros((6, 128), mx.bfloat16), *args[1:]) is None
     assert me.q4_0_moe_routed(x, x, wr[:1], scale[:1], 2, gu[:1], dn[:1], counters, 64) is None  # top_k > E
+    assert me.q4_0_moe_routed(x, x, wr, scale, 0, gu, dn, counters, 64) is None  # top_k 0
+    for bad in ((wr[:5], scale), (wr, scale[:5])):  # router and stacks disagree on E: an error, not a fallback
+        with pytest.raises(ValueError, match="moe_routed"):
+            me.q4_0_moe_routed(x, x, *bad, 2, gu, dn, counters, 64)
     with pytest.raises(ValueError, match="new_routed_counters"):
         me.q4_0_moe_routed(x, x, *args[:5], me.new_counters(), 64)
     for off in ("moe_one_launch", "router_fused", "router"):
