@@ -159,8 +159,13 @@ CUDA_ONLY = frozenset({"gate_up_split", "norm", "norm_rope", "gate_up_runs", "qu
                        "attention_mma8", "attention_mma_staged", "kv_one_write", "embedding"})  # fmt: skip
 """PROVEN families whose gain was measured on CUDA only: on Metal they stay opt-in (UNPROVEN_ENV)."""
 
-OPT_IN = frozenset({"matvec_norm", "attention_staged", "mlp_one_launch", "moe_route_fold"})
+OPT_IN = frozenset({"matvec_norm", "attention_staged", "mlp_one_launch", "moe_route_fold", "norm_route"})
 """Families written but not on by default on any backend (UNPROVEN_ENV turns them on):
+"norm_route" (a MoE layer's post-attention residual norms and its router's projection and route in
+one launch, custom_kernels.router.residual_norm_route, CUDA only; needs "norm_moe", "router_fused"
+and "router" on; not used with "moe_route_fold", which takes the router's input): written in
+session 33, bit for bit g4_residual_norm_moe then g4_route_logits by construction (their texts);
+pending its GPU run;
 "moe_route_fold" (a MoE layer's router projection and route folded into the one-launch experts
 kernel as its first tickets, custom_kernels.moe_experts.q4_0_moe_routed, CUDA sm_80+; needs
 "moe_one_launch", "router_fused" and "router" on: one launch per MoE layer fewer): passed its

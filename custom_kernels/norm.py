@@ -153,6 +153,15 @@ def _moe_body() -> str:
     return body
 
 
+def moe_norm_parts() -> tuple[str, str]:
+    """(the norm helpers without the prelude, g4_residual_norm_moe's body) with CUDA's module tokens
+    in and the $placeholders left: custom_kernels.router builds g4_residual_norm_route on them."""
+    helpers, body = _HELPERS, _moe_body()
+    for token, value in _LOCAL["cuda"].items():
+        helpers, body = helpers.replace(token, value), body.replace(token, value)
+    return helpers, body
+
+
 _RESIDUAL_NORM_MOE = KernelSource(
     "g4_residual_norm_moe", ("h", "a", "w_a", "w_next", "scale", "eps", "w_next2", "r_scale", "r_root"),
     ("out", "x", "x2", "xr"), emit(_moe_body(), _HELPERS, _LOCAL))

@@ -30,12 +30,19 @@ in 4-element vectors.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 
-from . import KernelSource, backend, check_ticket_counters, dtype_name, template_args, ticket_counters, use_reference
+from . import (KernelSource, backend, check_ticket_counters, dtype_name, geometry_override, template_args,
+               ticket_counters, use_kernel, use_reference)
 from .attention import _text as attention_text
 from .dialect import render
+from .norm import _check as norm_check
+from .norm import _geometry as norm_geometry
+from .norm import _template as norm_template
+from .norm import fusable, moe_norm_parts, residual_norm_moe_np, residual_norm_moe_reference
 
 __all__ = ["MAX_EXPERTS", "MAX_TOP_K", "kernel_specs", "route", "route_f64", "route_reference", "router_logits",
            "router_logits_reference", "route_logits", "route_logits_supported", "new_router_counters"]
@@ -188,6 +195,62 @@ def new_router_counters() -> mx.array:
     return ticket_counters(ROUTER_COUNTER_WORDS)
 
 
+# A MoE layer's post-attention norms and its route in one launch (kernel g4_residual_norm_route,
+# CUDA only, op family "norm_route"), for one token: every threadgroup runs g4_residual_norm_moe's
+# text over the token's row (the same threads and sums: the same bits), threadgroup 0 stores out, x
+# and x2, and each keeps the router's input in shared memory instead of storing it; then each computes
+# TG / 32 logits from it with route_logits' text, takes route_logits' ticket, and the last routes.
+# One launch instead of g4_residual_norm_moe then g4_route_logits, bit for bit their outputs; each
+# threadgroup pays for one norm of a row it reads from L2.
+# Template: T, D, TG, QUADS, SCALE (false), NEXT (true) as g4_residual_norm_moe; TS, H = D, E, K, EPL
+# as g4_route_logits; LPG: logits per threadgroup (its first LPG SIMD groups), 1..TG / 32. Grid:
+# ceil(E / LPG) threadgroups of TG threads.
+def _norm_route_body() -> str:
+    norm = moe_norm_parts()[1]
+    for old, new in (("residual_norm_moe:", "residual_norm_route (norms):"),
+                     ("  const size_t base = (size_t)$tg_x * D;\n",
+                      "  const size_t base = 0;  // one token\n  const bool first = $tg_x == 0;  // stores out, x and x2\n"),
+                     ("        out[base + c + i] = static_cast<T>(o);\n", "        if (first) out[base + c + i] = static_cast<T>(o);\n"),
+                     ("          x[base + c + i] = static_cast<T>(wn[k] * n0);\n          x2[base + c + i] = static_cast<T>(w2v[k] * n0);\n"
+                      "          xr[base + c + i] = ",
+                      "          if (first) {\n            x[base + c + i] = static_cast<T>(wn[k] * n0);\n"
+                      "            x2[base + c + i] = static_cast<T>(w2v[k] * n0);\n          }\n          g4_xr[c + i] = ")):  # fmt: skip
+        assert norm.count(old) == 1, old
+        norm = norm.replace(old, new)
+    logits = _fused_logits_body()
+    for old, new in (("route_logits: logits[m, e]", "residual_norm_route (logits): logits[m, e]"),
+                     ("  const int e = $tg_x * NSG + $simd;\n", "  const int e = $tg_x * LPG + $simd;\n"),
+                     ("  if (e < E) {\n", "  if ($simd < LPG && e < E) {\n"),
+                     ("  const $device T* xr = x + (size_t)m * H;\n", "  const T* xr = g4_xr;  // the router's input\n"),
+                     ("    g4_load4(xr + c, a);\n",  # g4_load4 reads through __ldg: global memory only
+                      "    $unroll for (int q = 0; q < 4; ++q) a[q] = static_cast<float>(xr[c + q]);\n")):  # fmt: skip
+        assert logits.count(old) == 1, old
+        logits = logits.replace(old, new)
+    route = _fused_route_body()
+    assert route.count("scale[win_e[j]]") == 1
+    route = route.replace("scale[win_e[j]]", "e_scale[win_e[j]]")
+    return "  __shared__ __align__(16) T g4_xr[D];\n  {\n" + norm + "  }\n  $barrier;\n" + logits + route
+
+
+_NORM_ROUTE = KernelSource(
+    "g4_residual_norm_route",
+    ("h", "a", "w_a", "w_next", "scale", "eps", "w_next2", "r_scale", "r_root", "w", "e_scale", "counters"),
+    ("out", "x", "x2", "logits", "weights", "indices"),
+    {"metal": ("", ""), "cuda": (attention_text("")["cuda"][0] + render(moe_norm_parts()[0], "cuda"),
+                                 render(_norm_route_body(), "cuda"))})  # fmt: skip
+NORM_ROUTE_MAX_D = 3072
+"""The longest row the launch takes: at most 768 threads of one quad each, so f32's 66 registers per
+thread fit an SM's 64K (at 5376 f32 elements, 672 threads of two quads, the launch failed on the
+H200 in session 33; bf16 takes 48 registers)."""
+NORM_ROUTE_GEOMETRY_ENV = "GEMMA4_MLX_NORM_ROUTE_GEOMETRY"
+"""Environment variable: "logits_per_group=N" (custom_kernels.geometry_override), a tuning knob."""
+
+
+@dataclass(frozen=True)
+class NormRouteConfig:
+    logits_per_group: int = 0  # expert logits per threadgroup; 0: one per SIMD group (TG / 32)
+
+
 def _logits_fusable(x: mx.array, w: mx.array) -> bool:
     """x [..., H] and w [E, H] the router-logits kernels take: one float dtype, H a multiple of 4."""
     return x.dtype == w.dtype and x.dtype in (mx.float32, mx.bfloat16) and x.shape[-1] % 4 == 0
@@ -229,6 +292,61 @@ def route_logits(x: mx.array, w: mx.array, per_expert_scale: mx.array, top_k: in
         output_dtypes=[x.dtype, mx.float32, mx.int32],
     )
     return weights, indices
+
+
+def residual_norm_route_reference(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps: float, w, per_expert_scale,
+                                  top_k: int):  # fmt: skip
+    """MLX ops: norm.residual_norm_moe_reference's (out, x, x2) and route_reference of its router
+    input's logits against w [E, H] -> (out, x, x2, weights f32 [..., k], indices int32 [..., k])."""
+    out, x, x2, xr = residual_norm_moe_reference(h, a, w_a, w_next, w_next2, r_scale, r_root, eps)
+    return (out, x, x2, *route_reference(router_logits_reference(xr, w), per_expert_scale, top_k))
+
+
+def residual_norm_route(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps: float, w, per_expert_scale,
+                        top_k: int, counters: mx.array) -> tuple[mx.array, ...] | None:  # fmt: skip
+    """A MoE layer's norm.residual_norm_moe (without the router's input) and route_logits of that
+    input in one launch of g4_residual_norm_route -> (out, x, x2 [..., H] like h, weights f32 [..., k],
+    indices int32 [..., k]), bit for bit the two launches' outputs; or None where op family
+    "norm_route" (or "norm_moe", "router_fused", "router") is off or the kernel does not take the
+    call: one token, h, a, the norm weights and w [E, H] of one float dtype, H a multiple of 4 and
+    its row within NORM_ROUTE_MAX_SHARED, E and top_k as route_logits takes them. The caller then
+    takes the two launches. counters: new_router_counters(), the layer's route_logits ones."""
+    if not all(use_kernel(f) for f in ("norm_route", "norm_moe", "router_fused", "router")):
+        return None
+    norm_check(h, a, w_a, w_next, None)
+    norm_check(h, a, w_next2, r_scale, None)
+    d, e = h.shape[-1], w.shape[0]
+    if (h.size != d or not route_logits_supported(h, w, top_k) or not fusable(h, a, w_a, w_next)
+            or not fusable(h, a, w_next2, r_scale) or d > NORM_ROUTE_MAX_D):  # fmt: skip
+        return None
+    if per_expert_scale.shape != (e,):
+        raise ValueError(f"per_expert_scale [E] expected for {e} experts, got {per_expert_scale.shape}")
+    check_ticket_counters(counters, ROUTER_COUNTER_WORDS, "new_router_counters")
+    tg, _ = norm_geometry(d)
+    lpg = _logits_per_group(tg)
+    lead = h.shape[:-1]
+    out, x, x2, _, weights, indices = _NORM_ROUTE.kernel()(
+        inputs=[h, a, w_a, w_next, w_a, mx.array([eps], dtype=mx.float32), w_next2, r_scale,
+                mx.array([r_root], dtype=h.dtype), w, per_expert_scale, counters],  # w_a: the unread layer scale
+        template=template_args(_norm_route_template(dtype_name(h.dtype), dtype_name(per_expert_scale.dtype), d, e, top_k, lpg)),
+        grid=(tg * -(-e // lpg), 1, 1), threadgroup=(tg, 1, 1),
+        output_shapes=[h.shape] * 3 + [(*lead, e), (*lead, top_k), (*lead, top_k)],
+        output_dtypes=[h.dtype] * 4 + [mx.float32, mx.int32],
+    )  # fmt: skip
+    return out, x, x2, weights, indices
+
+
+def _logits_per_group(tg: int) -> int:
+    lpg = geometry_override(NormRouteConfig(), NORM_ROUTE_GEOMETRY_ENV).logits_per_group or tg // 32
+    if not 1 <= lpg <= tg // 32:
+        raise ValueError(f"{NORM_ROUTE_GEOMETRY_ENV}: logits_per_group must be 1..{tg // 32} at {tg} threads, got {lpg}")
+    return lpg
+
+
+def _norm_route_template(dtype: str, scale_dtype: str, d: int, e: int, k: int, lpg: int,
+                         max_threads: int | None = None) -> list:  # fmt: skip
+    return (norm_template(dtype, d, False, True, max_threads) + _fused_template(dtype, scale_dtype, d, e, k)[1:-1]
+            + [("LPG", lpg)])
 
 
 def _fused_template(dtype: str, scale_dtype: str, h: int, e: int, k: int) -> list:
@@ -431,10 +549,63 @@ def _fused_cases(rng: np.random.Generator):
             _fused_case_bf16(rng, 2, 45, 128, 5)]  # fmt: skip
 
 
+def _norm_route_case(rng: np.random.Generator, d: int, e: int, k: int, dtype: str, max_threads: int, lpg: int = 0):
+    """One token through g4_residual_norm_route against the float64 oracles: the norms as
+    norm.residual_norm_moe_np rounds them, the logits of its router input, the route of those.
+    bf16: out, x and x2 within one bf16 step, the experts' rows of w set so their logits
+    are distinct targets ~10 bf16 steps apart (the rounding cannot reorder them), weights within 2%,
+    ids exact; f32: random rows, the ids exact, the rest to f32 sums."""
+    from .registry import KernelCase, bf16_to_f32, f32_to_bf16
+
+    bf16 = dtype == "bfloat16"
+    rnd = (lambda v: bf16_to_f32(f32_to_bf16(np.asarray(v, np.float32)))) if bf16 else (lambda v: np.asarray(v, np.float32))
+    eps = 1e-6
+    h, a = rnd(rng.standard_normal((1, d)) * 4), rnd(rng.standard_normal((1, d)) * 0.3 + 0.1)
+    w_a, w_next, w_next2, r_scale = (rnd(rng.uniform(0.2, 2.0, d)) for _ in range(4))
+    r_root = float(rnd(np.array([d ** -0.5]))[0])
+    out, x, x2, xr = residual_norm_moe_np(h, a, w_a, w_next, w_next2, r_scale, r_root, eps, bf16)
+    if bf16:
+        target = rng.permutation(np.linspace(-2.0, 2.0, e))
+        w = rnd(target[:, None] * xr[0][None, :] / float(xr[0].astype(np.float64) @ xr[0]))
+    else:
+        w = (rng.standard_normal((e, d)) * 0.1).astype(np.float32)
+    logits = xr.astype(np.float64) @ w.astype(np.float64).T
+    scale = rng.uniform(0.5, 2.0, e).astype(np.float32)
+    wts, ids = route_f64(logits, scale, k)
+    values = {"h": h, "a": a, "w_a": w_a, "w_next": w_next, "scale": w_a, "eps": np.array([eps], np.float32),
+              "w_next2": w_next2, "r_scale": r_scale, "r_root": np.array([r_root], np.float32), "w": w,
+              "e_scale": scale, "counters": np.zeros(ROUTER_COUNTER_WORDS, np.uint32)}  # fmt: skip
+    act = ("h", "a", "w_a", "w_next", "scale", "w_next2", "r_scale", "r_root", "w")
+    if bf16:
+        values.update({n: f32_to_bf16(values[n]) for n in act})
+    tg, quads = norm_geometry(d, max_threads)
+    lpg = lpg or tg // 32
+    norms = (2.0**-7, 1e-6) if bf16 else (2e-5, 1e-5)  # bf16: a last-bit difference of the f32 sums may move one ulp
+    return KernelCase(
+        inputs=values, template=_norm_route_template(dtype, "float32", d, e, k, lpg, max_threads),
+        grid=(tg * -(-e // lpg), 1, 1), threadgroup=(tg, 1, 1),
+        output_shapes=[(1, d)] * 3 + [(1, e), (1, k), (1, k)], output_dtypes=[dtype] * 4 + ["float32", "int32"],
+        expected=[out, x, x2, logits, wts, ids.astype(np.float64)], rtol=0.0, atol=0.0,
+        output_tolerances=[norms] * 3 + ([(2.0**-8, 1e-6), (2e-2, 1e-2)] if bf16 else [(1e-5, 1e-5)] * 2) + [(0.0, 0.0)],
+        input_dtypes={n: dtype for n in act} if bf16 else {},
+        label=f"D={d} E={e} k={k} TG={tg} QUADS={quads} LPG={lpg} {dtype}",
+    )  # fmt: skip
+
+
+def _norm_route_cases(rng: np.random.Generator):
+    """26B-A4B's shape (one threadgroup of 704 threads per 22 experts; and per 4, the rest of its
+    SIMD groups idle after the norms), a row two quads per thread with a last threadgroup of fewer
+    experts, one SIMD group per threadgroup (E threadgroups)."""
+    return [_norm_route_case(rng, 2816, 128, 8, "bfloat16", 1024), _norm_route_case(rng, 360, 45, 5, "float32", 64),
+            _norm_route_case(rng, 96, 10, 10, "bfloat16", 1024), _norm_route_case(rng, 2816, 128, 8, "float32", 1024),
+            _norm_route_case(rng, 2816, 128, 8, "bfloat16", 1024, 4)]  # fmt: skip
+
+
 def kernel_specs():
-    """KernelSpecs of the routing kernel (odd E, ties, k = E, k = 32), the router projection and
-    the two in one launch (CUDA only)."""
+    """KernelSpecs of the routing kernel (odd E, ties, k = E, k = 32), the router projection, the
+    two in one launch and the residual norms with them (the last two CUDA only)."""
     from .registry import KernelSpec
 
     return [KernelSpec(k.name, k.input_names, k.output_names, *k.text["metal"], *k.text["cuda"], cases)
-            for k, cases in ((_ROUTE, _cases), (_LOGITS, _logits_cases), (_FUSED, _fused_cases))]
+            for k, cases in ((_ROUTE, _cases), (_LOGITS, _logits_cases), (_FUSED, _fused_cases),
+                             (_NORM_ROUTE, _norm_route_cases))]  # fmt: skip

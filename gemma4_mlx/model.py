@@ -19,7 +19,8 @@ from custom_kernels.matvec_norm import matvec_norm_supported, matvec_residual_no
 from custom_kernels.norm import residual_norm, residual_norm_moe, residual_norm_moe_out, residual_norm_reference
 from custom_kernels.quant_matvec import gelu_tanh
 from custom_kernels.rope import inverse_frequencies, norm_rope
-from custom_kernels.router import new_router_counters, route, route_logits, route_logits_supported, router_logits
+from custom_kernels.router import (new_router_counters, residual_norm_route, route, route_logits, route_logits_supported,
+                                   router_logits)
 
 from . import cpu_matvec
 from .cache import StaticKVCache, StaticRotatingKVCache
@@ -367,8 +368,14 @@ class DecoderLayer(nn.Module):
             else:
                 h, x = add_norm(h, y, self.post_feedforward_layernorm, *end)
             return (h, x) if last else self._ple(h, per_layer_input, next_norm)
-        h, x, x_experts, x_router = self._moe_inputs(h, attn(x, offset, q_pos, cache, shared_kv, mask_fn))
-        moe = self._moe_branch(x_experts, x_router)
+        a = attn(x, offset, q_pos, cache, shared_kv, mask_fn)
+        routed = self._norm_route(h, a)
+        if routed is None:
+            h, x, x_experts, x_router = self._moe_inputs(h, a)
+            moe = self._moe_branch(x_experts, x_router)
+        else:
+            h, x, x_experts, weights, indices = routed
+            moe = self.experts(x_experts, weights, indices)
         if not self.ple and use_kernel("norm_moe_out"):  # the layer's end in one launch
             return residual_norm_moe_out(h, self.mlp(x), moe, self.post_feedforward_layernorm_1.weight,
                                          self.post_feedforward_layernorm_2.weight,
@@ -401,6 +408,18 @@ class DecoderLayer(nn.Module):
         route_and_run = getattr(self.experts, "route_and_run", None)
         moe = None if route_and_run is None else route_and_run(x, x_router, self.router)
         return self.experts(x, *self.router.select(x_router)) if moe is None else moe
+
+    def _norm_route(self, h, a):
+        """_moe_inputs and the route in one launch (family "norm_route",
+        custom_kernels.router.residual_norm_route) -> (h, x, x for the experts, weights, indices),
+        or None (also with "moe_route_fold" on: it takes the router's input)."""
+        r = self.router
+        w = r.plain_weight
+        if w is None or use_kernel("moe_route_fold"):
+            return None
+        return residual_norm_route(h, a, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
+                                   self.pre_feedforward_layernorm_2.weight, r.scale, r.root,
+                                   self.post_attention_layernorm.eps, w, r.per_expert_scale, r.top_k, r._counters)  # fmt: skip
 
     def _moe_inputs(self, h, a):
         """A MoE layer after attention: h + post_attention_norm(a) and the three norms of it the

@@ -280,3 +280,30 @@ def test_moe_route_fold_makes_the_route_part_of_the_expert_launch(graph_count, m
         assert base_launches.count(name) - fold_launches.count(name) == moe_layers, name
     assert base["CustomKernel"] - fold["CustomKernel"] == moe_layers
     assert sum(base.values()) - sum(fold.values()) == moe_layers
+
+
+def test_norm_route_makes_the_route_part_of_the_norm_launch(graph_count, monkeypatch):
+    """With family "norm_route" a MoE layer's post-attention norms (g4_residual_norm_moe) and route
+    (g4_route_logits) are one launch of g4_residual_norm_route: one kernel fewer per MoE layer and
+    no other node added; with "moe_route_fold" on too, the fold keeps the layer (it takes the
+    router's input)."""
+    import decode
+
+    import custom_kernels
+
+    cfg = decode._tiny(**_KERNEL_SHAPES, **_EXPERTS)
+    moe_layers = sum(spec.moe for spec in cfg.layers)
+    runs = {}
+    for setting in ("", "norm_route", "norm_route,moe_route_fold"):
+        monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, setting)
+        graph_count.LAUNCHES.clear()
+        runs[setting] = graph_count.step_counts(cfg, 40)["body"], list(graph_count.LAUNCHES)
+    (base, base_launches), (fused, fused_launches) = runs[""], runs["norm_route"]
+    assert moe_layers > 0 and base_launches.count("g4_residual_norm_route") == 0
+    assert fused_launches.count("g4_residual_norm_route") == moe_layers
+    for name in ("g4_residual_norm_moe", "g4_route_logits"):
+        assert base_launches.count(name) - fused_launches.count(name) == moe_layers, name
+    assert base["CustomKernel"] - fused["CustomKernel"] == moe_layers
+    assert sum(base.values()) - sum(fused.values()) == moe_layers
+    both = runs["norm_route,moe_route_fold"][1]
+    assert both.count("g4_residual_norm_route") == 0 and both.count("g4_q4_0_moe_routed") == moe_layers

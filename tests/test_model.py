@@ -344,3 +344,26 @@ def test_split_even_values_and_nodes(tmp_path):
     assert names.count("Slice") == 0 and names.count("Split") == 6  # the groups 10, 10, 10, 10, 2, then each group
     with pytest.raises(ValueError, match="equal parts"):
         _split_even(mx.zeros((2, 43)), 42)
+
+
+def test_moe_layer_with_the_norm_route_path_equals_the_default(moe_fixture, monkeypatch):
+    """Family "norm_route" takes a MoE layer's post-attention norms and its route as one op. With
+    the op's MLX reference standing in for it (CPU), the logits equal the default path's, prefill
+    and one-token steps: the layer hands it the right norms, router weight, scales and top-k, its
+    router's counters, and uses its outputs where _moe_inputs' and the router's went."""
+    import gemma4_mlx.model as model_module
+    from custom_kernels import router as rt
+
+    counters = []
+
+    def stand_in(*args):
+        if not model_module.use_kernel("norm_route"):
+            return None
+        counters.append(args[-1])
+        return rt.residual_norm_route_reference(*args[:-1])
+
+    monkeypatch.setattr(model_module, "residual_norm_route", stand_in)
+    _moe_family_path_equals_default(moe_fixture, monkeypatch, "norm_route", "residual_norm_route", 31, 1)
+    # three runs through every MoE layer, each layer with its router's own counters
+    assert counters and len({id(c) for c in counters}) == len(counters) // 3
+    assert all(c.dtype == mx.uint32 and c.size == rt.ROUTER_COUNTER_WORDS for c in counters)

@@ -216,3 +216,84 @@ def test_router_with_router_fused_wiring(monkeypatch):
         a = dict(zip(np.array(got[1][0, t]).tolist(), np.array(got[0][0, t]).tolist()))
         b = dict(zip(np.array(want[1][0, t]).tolist(), np.array(want[0][0, t]).tolist()))
         assert a.keys() == b.keys() and all(abs(a[e] - b[e]) <= 1e-5 * abs(b[e]) for e in b)
+
+
+def test_norm_route_registry_cases_agree_with_the_reference():
+    """g4_residual_norm_route's cases: residual_norm_route_reference (MLX ops) on the same inputs
+    gives their out, x, x2, logits and weights within each output's tolerance, the ids exactly."""
+    from custom_kernels.registry import bf16_to_f32
+
+    spec = next(s for s in rt.kernel_specs() if s.name == "g4_residual_norm_route")
+    cases = spec.cases(np.random.default_rng(0))
+    assert len(cases) == 5 and not spec.metal_source
+    for case in cases:
+        assert list(case.inputs) == list(spec.input_names)
+        val = {n: mx.array(bf16_to_f32(v)).astype(mx.bfloat16) if case.input_dtypes.get(n) == "bfloat16" else mx.array(v)
+               for n, v in case.inputs.items()}  # fmt: skip
+        d = dict(case.template)
+        got = rt.residual_norm_route_reference(val["h"], val["a"], val["w_a"], val["w_next"], val["w_next2"],
+                                               val["r_scale"], float(val["r_root"][0].item()), float(val["eps"][0].item()),
+                                               val["w"], val["e_scale"], d["K"])  # fmt: skip
+        _, _, _, xr = rt.residual_norm_moe_reference(val["h"], val["a"], val["w_a"], val["w_next"], val["w_next2"],
+                                                     val["r_scale"], float(val["r_root"][0].item()), float(val["eps"][0].item()))  # fmt: skip
+        logits = rt.router_logits_reference(xr, val["w"])
+        np.testing.assert_array_equal(np.array(got[4]).reshape(-1), case.expected[5].reshape(-1))
+        for i, arr in zip((0, 1, 2, 3, 4), (got[0], got[1], got[2], logits, got[3])):
+            want = case.expected[i]
+            have = np.array(arr.astype(mx.float32)).reshape(want.shape)
+            rtol, atol = case.tolerance(i)
+            assert (np.abs(have - want) <= atol + rtol * np.abs(want)).all(), (case.label, spec.output_names[i])
+
+
+def test_residual_norm_route_routing_on_faked_cuda(monkeypatch):
+    """residual_norm_route (family "norm_route", opt-in): None with the family off, on a CPU build,
+    for two tokens, a router of another dtype and top_k past E; on (faked) CUDA one launch with the
+    norms' and the route's template, E / (TG / 32) threadgroups, the router's counters last and
+    out, x, x2, weights, ids back; wrong counters or per-expert scales an error."""
+    import custom_kernels
+
+    rng = np.random.default_rng(12)
+    h, a = (mx.array(rng.standard_normal((1, 1, 64)).astype(np.float32)) for _ in range(2))
+    wv = [mx.array(rng.uniform(0.5, 2.0, 64).astype(np.float32)) for _ in range(4)]
+    w = mx.array(rng.standard_normal((9, 64)).astype(np.float32))
+    scale, counters = mx.ones((9,)), rt.new_router_counters()
+
+    def call(h=h, a=a, w=w, k=3, scale=scale, counters=counters):
+        return rt.residual_norm_route(h, a, wv[0], wv[1], wv[2], wv[3], 0.125, 1e-6, w, scale, k, counters)
+
+    seen = []
+
+    def stand_in(**kw):
+        def launch(**c):
+            seen.append(c)
+            return [mx.zeros(s, d) for s, d in zip(c["output_shapes"], c["output_dtypes"])]
+
+        return launch
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", stand_in)
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    assert call() is None  # family off
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "norm_route")
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cpu")
+    assert call() is None  # a CPU build (route_logits_supported's check)
+    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(rt, "backend", lambda: "cuda")
+    custom_kernels.clear_kernel_cache()
+    try:
+        assert call(h=mx.concatenate([h, h], 1), a=mx.concatenate([a, a], 1)) is None  # two tokens
+        assert call(w=w.astype(mx.bfloat16)) is None and call(k=10) is None
+        assert not seen
+        out, x, x2, wts, ids = call()
+        with pytest.raises(ValueError, match="counters must be uint32"):
+            call(counters=mx.zeros((8,), mx.int32))
+        with pytest.raises(ValueError, match="per_expert_scale"):
+            call(scale=mx.ones((8,)))
+    finally:
+        custom_kernels.clear_kernel_cache()
+    (c,) = seen
+    assert out.shape == x.shape == x2.shape == (1, 1, 64) and wts.shape == ids.shape == (1, 1, 3)
+    assert wts.dtype == mx.float32 and ids.dtype == mx.int32 and c["inputs"][-1] is counters
+    t = dict(c["template"])
+    assert (t["D"], t["H"], t["TG"], t["QUADS"], t["E"], t["K"], t["EPL"], t["NEXT"], t["SCALE"], t["LPG"]) == (64, 64, 32, 1, 9, 3, 1, True, False, 1)
+    assert c["grid"] == (32 * 9, 1, 1) and c["threadgroup"] == (32, 1, 1)
+    assert c["output_shapes"][3] == (1, 1, 9) and c["output_dtypes"][3] == mx.float32

@@ -112,3 +112,47 @@ def test_route_logits_kernel_equals_the_two_launches(e, h, k, dtype):
         assert np.array_equal(np.array(got[1]), np.array(want[1])), f"E={e} lead={lead}"
         assert np.array_equal(np.array(got[0]), np.array(want[0])), f"E={e} lead={lead}"
     assert not np.array(counters).any()
+
+
+@pytest.mark.parametrize("d,e,k", [(2816, 128, 8), (360, 45, 5), (3072, 128, 8)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_residual_norm_route_equals_norm_then_route_logits(monkeypatch, d, e, k, dtype):
+    """g4_residual_norm_route (family "norm_route"): bit for bit the out, x and x2 of
+    g4_residual_norm_moe and the weights and ids of g4_route_logits on its router input, at
+    26B-A4B's shape, an odd one and the longest row it takes (768 threads); four calls in a row on
+    one counters array (back to zero after each), and in a chain of dependent calls in one graph."""
+    from custom_kernels import norm
+
+    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "norm_route")
+    rng = np.random.default_rng(d + e)
+
+    def arr(v):
+        return mx.array(np.asarray(v, np.float32)).astype(dtype)
+
+    wv = [arr(rng.uniform(0.2, 2.0, d)) for _ in range(4)]
+    w = arr(rng.standard_normal((e, d)) * 0.05)
+    scale = mx.array(rng.uniform(0.5, 2.0, e).astype(np.float32))
+    counters, two = rt.new_router_counters(), rt.new_router_counters()
+    root, eps = d ** -0.5, 1e-6
+    for _ in range(4):
+        h, a = arr(rng.standard_normal((1, 1, d)) * 4), arr(rng.standard_normal((1, 1, d)) * 0.3 + 0.1)
+        got = rt.residual_norm_route(h, a, *wv, root, eps, w, scale, k, counters)
+        assert got is not None
+        out, x, x2, xr = norm.residual_norm_moe(h, a, *wv, root, eps)
+        want = (out, x, x2, *rt.route_logits(xr, w, scale, k, two))
+        mx.eval(got, want)
+        for i, (g, wnt) in enumerate(zip(got, want)):
+            assert g.dtype == wnt.dtype and np.array_equal(np.array(g.astype(mx.float32) if g.dtype == mx.bfloat16 else g),
+                                                           np.array(wnt.astype(mx.float32) if wnt.dtype == mx.bfloat16 else wnt)), i  # fmt: skip
+    assert not np.array(counters).any()
+    h1 = mx.zeros((1, 1, rt.NORM_ROUTE_MAX_D + 4), dtype)
+    assert rt.residual_norm_route(h1, h1, *[mx.ones((h1.shape[-1],), dtype)] * 4, root, eps,
+                                  mx.ones((e, h1.shape[-1]), dtype), scale, k, counters) is None  # fmt: skip
+    # a chain: each call's out is the next call's h (one graph, the counters reused in order)
+    chain, ref = h, h
+    for _ in range(3):
+        chain = rt.residual_norm_route(chain, a, *wv, root, eps, w, scale, k, counters)[0]
+        ref = norm.residual_norm_moe(ref, a, *wv, root, eps)[0]
+    mx.eval(chain, ref)
+    assert np.array_equal(np.array(chain.astype(mx.float32)), np.array(ref.astype(mx.float32)))
+    assert not np.array(counters).any()
