@@ -164,8 +164,10 @@ OPT_IN = frozenset({"matvec_norm", "attention_staged", "mlp_one_launch", "moe_ro
 "norm_route" (a MoE layer's post-attention residual norms and its router's projection and route in
 one launch, custom_kernels.router.residual_norm_route, CUDA only; needs "norm_moe", "router_fused"
 and "router" on; not used with "moe_route_fold", which takes the router's input): written in
-session 33, bit for bit g4_residual_norm_moe then g4_route_logits by construction (their texts);
-pending its GPU run;
+session 33, bit for bit g4_residual_norm_moe then g4_route_logits on the H200 (operator and model
+tests, compute-sanitizer) but not faster: 26B-A4B at 4K in one process 289.2 against 293.1 tok/s;
+it reaches the experts ~7 us sooner per MoE layer, but the dense MLP, which ran beside the route,
+then runs beside the experts and slows them by ~10 us (bench/NOTES.md);
 "moe_route_fold" (a MoE layer's router projection and route folded into the one-launch experts
 kernel as its first tickets, custom_kernels.moe_experts.q4_0_moe_routed, CUDA sm_80+; needs
 "moe_one_launch", "router_fused" and "router" on: one launch per MoE layer fewer): passed its
