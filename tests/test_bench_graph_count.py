@@ -258,10 +258,10 @@ def test_mlp_one_launch_makes_a_dense_mlp_one_kernel(graph_count, monkeypatch):
         assert sum(base.values()) - sum(one.values()) >= cfg.num_hidden_layers
 
 
-def test_moe_route_fold_makes_the_route_part_of_the_expert_launch(graph_count, monkeypatch):
-    """With family "moe_route_fold" a MoE layer's route (g4_route_logits) and experts
-    (g4_q4_0_moe_experts) are one launch of g4_q4_0_moe_routed: one kernel fewer per MoE layer and
-    no other node added."""
+def _one_launch_for_two(graph_count, monkeypatch, settings: tuple[str, ...], kernel: str, replaced: tuple[str, str]):
+    """The tiny MoE model's step with each UNPROVEN_ENV setting (settings[1]: the family under test):
+    `kernel` launches once per MoE layer in place of the two `replaced`, one node fewer per MoE layer
+    and nothing added. -> {setting: the launches' names}."""
     import decode
 
     import custom_kernels
@@ -269,17 +269,26 @@ def test_moe_route_fold_makes_the_route_part_of_the_expert_launch(graph_count, m
     cfg = decode._tiny(**_KERNEL_SHAPES, **_EXPERTS)
     moe_layers = sum(spec.moe for spec in cfg.layers)
     runs = {}
-    for setting in ("", "moe_route_fold"):
+    for setting in ("", *settings):
         monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, setting)
         graph_count.LAUNCHES.clear()
         runs[setting] = graph_count.step_counts(cfg, 40)["body"], list(graph_count.LAUNCHES)
-    (base, base_launches), (fold, fold_launches) = runs[""], runs["moe_route_fold"]
-    assert moe_layers > 0 and base_launches.count("g4_q4_0_moe_routed") == 0
-    assert fold_launches.count("g4_q4_0_moe_routed") == moe_layers
-    for name in ("g4_route_logits", "g4_q4_0_moe_experts"):
-        assert base_launches.count(name) - fold_launches.count(name) == moe_layers, name
-    assert base["CustomKernel"] - fold["CustomKernel"] == moe_layers
-    assert sum(base.values()) - sum(fold.values()) == moe_layers
+    (base, base_launches), (fused, fused_launches) = runs[""], runs[settings[0]]
+    assert moe_layers > 0 and base_launches.count(kernel) == 0
+    assert fused_launches.count(kernel) == moe_layers
+    for name in replaced:
+        assert base_launches.count(name) - fused_launches.count(name) == moe_layers, name
+    assert base["CustomKernel"] - fused["CustomKernel"] == moe_layers
+    assert sum(base.values()) - sum(fused.values()) == moe_layers
+    return {setting: launches for setting, (_, launches) in runs.items()}, moe_layers
+
+
+def test_moe_route_fold_makes_the_route_part_of_the_expert_launch(graph_count, monkeypatch):
+    """With family "moe_route_fold" a MoE layer's route (g4_route_logits) and experts
+    (g4_q4_0_moe_experts) are one launch of g4_q4_0_moe_routed: one kernel fewer per MoE layer and
+    no other node added."""
+    _one_launch_for_two(graph_count, monkeypatch, ("moe_route_fold",), "g4_q4_0_moe_routed",
+                        ("g4_route_logits", "g4_q4_0_moe_experts"))  # fmt: skip
 
 
 def test_norm_route_makes_the_route_part_of_the_norm_launch(graph_count, monkeypatch):
@@ -287,23 +296,7 @@ def test_norm_route_makes_the_route_part_of_the_norm_launch(graph_count, monkeyp
     (g4_route_logits) are one launch of g4_residual_norm_route: one kernel fewer per MoE layer and
     no other node added; with "moe_route_fold" on too, the fold keeps the layer (it takes the
     router's input)."""
-    import decode
-
-    import custom_kernels
-
-    cfg = decode._tiny(**_KERNEL_SHAPES, **_EXPERTS)
-    moe_layers = sum(spec.moe for spec in cfg.layers)
-    runs = {}
-    for setting in ("", "norm_route", "norm_route,moe_route_fold"):
-        monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, setting)
-        graph_count.LAUNCHES.clear()
-        runs[setting] = graph_count.step_counts(cfg, 40)["body"], list(graph_count.LAUNCHES)
-    (base, base_launches), (fused, fused_launches) = runs[""], runs["norm_route"]
-    assert moe_layers > 0 and base_launches.count("g4_residual_norm_route") == 0
-    assert fused_launches.count("g4_residual_norm_route") == moe_layers
-    for name in ("g4_residual_norm_moe", "g4_route_logits"):
-        assert base_launches.count(name) - fused_launches.count(name) == moe_layers, name
-    assert base["CustomKernel"] - fused["CustomKernel"] == moe_layers
-    assert sum(base.values()) - sum(fused.values()) == moe_layers
-    both = runs["norm_route,moe_route_fold"][1]
+    runs, moe_layers = _one_launch_for_two(graph_count, monkeypatch, ("norm_route", "norm_route,moe_route_fold"),
+                                           "g4_residual_norm_route", ("g4_residual_norm_moe", "g4_route_logits"))  # fmt: skip
+    both = runs["norm_route,moe_route_fold"]
     assert both.count("g4_residual_norm_route") == 0 and both.count("g4_q4_0_moe_routed") == moe_layers

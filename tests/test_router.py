@@ -149,6 +149,20 @@ def test_router_logits_dispatch_and_router_wiring(monkeypatch):
         assert all(abs(got_e[e] - want_e[e]) <= 1e-5 * abs(want_e[e]) for e in want_e)
 
 
+def _recording_cuda_kernel(seen: list):
+    """A stand-in for mx.fast.cuda_kernel: its kernels record each call's arguments in `seen` and
+    return zeros of the requested outputs."""
+
+    def make(**kw):
+        def launch(**call):
+            seen.append(call)
+            return [mx.zeros(s, d) for s, d in zip(call["output_shapes"], call["output_dtypes"])]
+
+        return launch
+
+    return make
+
+
 def test_route_logits_falls_back_and_checks_counters(monkeypatch):
     """route_logits: off CUDA (here) the two ops; on CUDA one launch with the template, grid and
     outputs the kernel expects (a stand-in MLX kernel records them); wrong counters refused."""
@@ -163,14 +177,7 @@ def test_route_logits_falls_back_and_checks_counters(monkeypatch):
     want = rt.route(rt.router_logits(x, w), scale, 3)
     assert all(mx.array_equal(a, b) for a, b in zip(got, want)) and not rt.route_logits_supported(x, w, 3)
     seen = []
-
-    def stand_in(**kw):
-        def launch(**call):
-            seen.append(call)
-            return [mx.zeros(s, d) for s, d in zip(call["output_shapes"], call["output_dtypes"])]
-
-        return launch
-
+    stand_in = _recording_cuda_kernel(seen)
     monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(rt, "backend", lambda: "cuda")
     monkeypatch.setattr(mx.fast, "cuda_kernel", stand_in)
@@ -262,14 +269,7 @@ def test_residual_norm_route_routing_on_faked_cuda(monkeypatch):
         return rt.residual_norm_route(h, a, wv[0], wv[1], wv[2], wv[3], 0.125, 1e-6, w, scale, k, counters)
 
     seen = []
-
-    def stand_in(**kw):
-        def launch(**c):
-            seen.append(c)
-            return [mx.zeros(s, d) for s, d in zip(c["output_shapes"], c["output_dtypes"])]
-
-        return launch
-
+    stand_in = _recording_cuda_kernel(seen)
     monkeypatch.setattr(mx.fast, "cuda_kernel", stand_in)
     monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
     assert call() is None  # family off
