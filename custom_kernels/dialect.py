@@ -196,18 +196,19 @@ def header(dialect: str, extra: str = "") -> str:
     return prelude(dialect) + (render(extra, dialect) if extra else "")
 
 
+def local_tokens(text: str, local: dict | None, dialect: str) -> str:
+    """``text`` with a module's own per-dialect tokens replaced: ``local`` = {dialect: {token: text}}
+    (e.g. "@FN@" for a helper function's qualifiers)."""
+    for token, value in (local or {}).get(dialect, {}).items():
+        text = text.replace(token, value)
+    return text
+
+
 def emit(body: str, extra_header: str = "", local: dict | None = None) -> dict[str, tuple[str, str]]:
-    """Both dialects of one kernel: {"metal": (header, source), "cuda": (header, source)}.
-
-    ``local`` = {dialect: {token: text}}: a module's own per-dialect tokens (e.g. "@FN@" for a
-    helper function's qualifiers), replaced in the body and the extra header before rendering."""
-
-    def own(text: str, dialect: str) -> str:
-        for token, value in (local or {}).get(dialect, {}).items():
-            text = text.replace(token, value)
-        return text
-
-    return {d: (header(d, own(extra_header, d)), render(own(body, d), d)) for d in DIALECTS}
+    """Both dialects of one kernel: {"metal": (header, source), "cuda": (header, source)}, the
+    module's ``local`` tokens (local_tokens) replaced in the body and the extra header before
+    rendering."""
+    return {d: (header(d, local_tokens(extra_header, local, d)), render(local_tokens(body, local, d), d)) for d in DIALECTS}
 
 
 def compact_text(text: str) -> str:

@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import KernelSource, backend, dtype_name, template_args, use_reference
-from .dialect import emit
+from .dialect import emit, local_tokens
 from .sampling import BLOCK_SUM
 
 __all__ = ["kernel_specs", "residual_norm", "residual_norm_reference", "residual_norm_np", "residual_norm_moe",
@@ -156,10 +156,7 @@ def _moe_body() -> str:
 def moe_norm_parts() -> tuple[str, str]:
     """(the norm helpers without the prelude, g4_residual_norm_moe's body) with CUDA's module tokens
     in and the $placeholders left: custom_kernels.router builds g4_residual_norm_route on them."""
-    helpers, body = _HELPERS, _moe_body()
-    for token, value in _LOCAL["cuda"].items():
-        helpers, body = helpers.replace(token, value), body.replace(token, value)
-    return helpers, body
+    return local_tokens(_HELPERS, _LOCAL, "cuda"), local_tokens(_moe_body(), _LOCAL, "cuda")
 
 
 _RESIDUAL_NORM_MOE = KernelSource(
@@ -259,7 +256,7 @@ _RESIDUAL_NORM_MOE_OUT = KernelSource(
 MAX_THREADS = {"cuda": 1024, "metal": 512}  # threads per row at most (Metal: a safe pipeline size)
 
 
-def _geometry(d: int, max_threads: int | None = None) -> tuple[int, int]:
+def row_geometry(d: int, max_threads: int | None = None) -> tuple[int, int]:
     """(threads per row, 4-element quads per thread) for rows of d elements: as many threads as
     quads up to max_threads (the backend's by default), in whole SIMD groups."""
     if max_threads is None:
@@ -269,12 +266,12 @@ def _geometry(d: int, max_threads: int | None = None) -> tuple[int, int]:
     return -(-quads // (32 * per)) * 32, per
 
 
-def _template(dtype: str, d: int, scale: bool, nxt: bool, max_threads: int | None = None) -> list:
-    tg, quads = _geometry(d, max_threads)
+def row_template(dtype: str, d: int, scale: bool, nxt: bool, max_threads: int | None = None) -> list:
+    tg, quads = row_geometry(d, max_threads)
     return [("T", dtype), ("D", d), ("TG", tg), ("QUADS", quads), ("SCALE", scale), ("NEXT", nxt)]
 
 
-def _check(h, a, w_a, w_next, scale) -> None:
+def check_rows(h, a, w_a, w_next, scale) -> None:
     d = h.shape[-1]
     if a.shape != h.shape or w_a.shape != (d,) or (w_next is not None and w_next.shape != (d,)):
         raise ValueError(f"h and a [..., D], weights [D] expected, got {h.shape}, {a.shape}, {w_a.shape}, "
@@ -285,7 +282,7 @@ def _check(h, a, w_a, w_next, scale) -> None:
 
 def residual_norm_reference(h, a, w_a, w_next, eps: float, scale=None):
     """MLX ops: (out, x) as the module doc says; x is None when w_next is None."""
-    _check(h, a, w_a, w_next, scale)
+    check_rows(h, a, w_a, w_next, scale)
     out = h + mx.fast.rms_norm(a, w_a, eps)
     if scale is not None:
         out = out * scale
@@ -302,7 +299,7 @@ def fusable(h, a, w_a, w_next, scale=None) -> bool:
 def residual_norm(h, a, w_a, w_next, eps: float, scale=None):
     """The module's op: the kernel on GPU builds when `fusable`, ``residual_norm_reference``
     otherwise -> (out [..., D], x [..., D] or None)."""
-    _check(h, a, w_a, w_next, scale)
+    check_rows(h, a, w_a, w_next, scale)
     if use_reference() or not fusable(h, a, w_a, w_next, scale):
         return residual_norm_reference(h, a, w_a, w_next, eps, scale)
     nxt = w_next is not None
@@ -317,11 +314,11 @@ def _launch(source: KernelSource, inputs: list, eps: float, scale: bool, nxt: bo
     the first five inputs, as both kernels name them."""
     h = inputs[0]
     d = h.shape[-1]
-    tg, _ = _geometry(d)
+    tg, _ = row_geometry(d)
     rows = int(np.prod(h.shape[:-1], dtype=np.int64))
     return source.kernel()(
         inputs=inputs[:5] + [mx.array([eps], dtype=mx.float32)] + inputs[5:],
-        template=template_args(_template(dtype_name(h.dtype), d, scale, nxt)),
+        template=template_args(row_template(dtype_name(h.dtype), d, scale, nxt)),
         grid=(tg * rows, 1, 1),
         threadgroup=(tg, 1, 1),
         output_shapes=output_shapes,
@@ -340,8 +337,8 @@ def residual_norm_moe(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps: f
     """(out, x, x2, xr) [..., D] as ``residual_norm_moe_reference``: one launch of
     g4_residual_norm_moe on GPU builds when `fusable`, the MLX ops otherwise (op family
     "norm_moe", a CUDA default since session 21)."""
-    _check(h, a, w_a, w_next, None)
-    _check(h, a, w_next2, r_scale, None)
+    check_rows(h, a, w_a, w_next, None)
+    check_rows(h, a, w_next2, r_scale, None)
     if use_reference() or not fusable(h, a, w_a, w_next) or not fusable(h, a, w_next2, r_scale):
         return residual_norm_moe_reference(h, a, w_a, w_next, w_next2, r_scale, r_root, eps)
     # r_root in the activation dtype: MLX rounds a Python scalar to the array's dtype
@@ -352,7 +349,7 @@ def residual_norm_moe(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps: f
 def residual_norm_moe_out_reference(h, mlp, moe, w_mlp, w_moe, w_post, w_next, eps: float, scale=None):
     """MLX ops of a MoE layer's end: m = rms_norm(mlp, w_mlp) + rms_norm(moe, w_moe), then
     ``residual_norm_reference(h, m, w_post, w_next, eps, scale)`` -> (out, x or None)."""
-    _check(h, mlp, w_mlp, None, None)
+    check_rows(h, mlp, w_mlp, None, None)
     m, _ = residual_norm_reference(mx.fast.rms_norm(mlp, w_mlp, eps), moe, w_moe, None, eps)
     return residual_norm_reference(h, m, w_post, w_next, eps, scale)
 
@@ -361,8 +358,8 @@ def residual_norm_moe_out(h, mlp, moe, w_mlp, w_moe, w_post, w_next, eps: float,
     """(out, x) [..., D] as ``residual_norm_moe_out_reference``: one launch of
     g4_residual_norm_moe_out on GPU builds when `fusable` (op family "norm_moe_out", a CUDA default
     since session 21), the MLX ops otherwise."""
-    _check(h, mlp, w_mlp, w_moe, None)
-    _check(h, moe, w_post, w_next, scale)
+    check_rows(h, mlp, w_mlp, w_moe, None)
+    check_rows(h, moe, w_post, w_next, scale)
     if use_reference() or not fusable(h, mlp, w_mlp, w_moe) or not fusable(h, moe, w_post, w_next, scale):
         return residual_norm_moe_out_reference(h, mlp, moe, w_mlp, w_moe, w_post, w_next, eps, scale)
     nxt = w_next is not None
@@ -422,7 +419,7 @@ def residual_norm_moe_out_np(h, mlp, moe, w_mlp, w_moe, w_post, w_next, eps: flo
     return residual_norm_np(h, m, w_post, w_next, eps, scale, bf16)
 
 
-def _case_values(rng: np.random.Generator, rows: int, d: int, bf16: bool, weights: tuple, fixed: dict):
+def row_case_values(rng: np.random.Generator, rows: int, d: int, bf16: bool, weights: tuple, fixed: dict):
     """A case's h, a [rows, d], weight vectors [d] named `weights` and the `fixed` arrays: f32
     values (rounded to bf16 when bf16) and the kernel inputs (bf16 bit patterns when bf16), eps in."""
     from .registry import bf16_to_f32, f32_to_bf16
@@ -444,8 +441,8 @@ def _moe_case(rng: np.random.Generator, rows: int, d: int, dtype: str, max_threa
     from .registry import KernelCase
 
     bf16 = dtype == "bfloat16"
-    vals, inputs = _case_values(rng, rows, d, bf16, ("w_a", "w_next", "w_next2", "r_scale"), {"r_root": [d ** -0.5]})
-    tg, quads = _geometry(d, max_threads)
+    vals, inputs = row_case_values(rng, rows, d, bf16, ("w_a", "w_next", "w_next2", "r_scale"), {"r_root": [d ** -0.5]})
+    tg, quads = row_geometry(d, max_threads)
     want = residual_norm_moe_np(vals["h"], vals["a"], vals["w_a"], vals["w_next"], vals["w_next2"], vals["r_scale"],
                                 vals["r_root"][0], _CASE_EPS, bf16)  # fmt: skip
     inputs["scale"] = inputs["w_a"]  # unread (SCALE off): a stand-in, as the dispatcher passes
@@ -453,7 +450,7 @@ def _moe_case(rng: np.random.Generator, rows: int, d: int, dtype: str, max_threa
     # any output shows; f32: the sum order moves the last bits
     tol = dict(rtol=0.0, atol=0.0) if bf16 else dict(rtol=2e-5, atol=1e-5)
     return KernelCase(
-        inputs=inputs, template=_template(dtype, d, False, True, max_threads), grid=(tg * rows, 1, 1),
+        inputs=inputs, template=row_template(dtype, d, False, True, max_threads), grid=(tg * rows, 1, 1),
         threadgroup=(tg, 1, 1), output_shapes=[(rows, d)] * 4, output_dtypes=[dtype] * 4, expected=list(want),
         input_dtypes={k: dtype for k in ("h", "a", "w_a", "w_next", "scale", "w_next2", "r_scale", "r_root")}
         if bf16 else {}, label=f"moe rows={rows} D={d} TG={tg} QUADS={quads} {dtype}", **tol,
@@ -469,14 +466,14 @@ def _case(rng: np.random.Generator, rows: int, d: int, dtype: str, scale: bool, 
     from .registry import KernelCase
 
     bf16 = dtype == "bfloat16"
-    vals, inputs = _case_values(rng, rows, d, bf16, ("w_a", "w_next"), {"scale": [0.75]})
-    tg, quads = _geometry(d, max_threads)
+    vals, inputs = row_case_values(rng, rows, d, bf16, ("w_a", "w_next"), {"scale": [0.75]})
+    tg, quads = row_geometry(d, max_threads)
     out, x = residual_norm_np(vals["h"], vals["a"], vals["w_a"], vals["w_next"] if nxt else None, _CASE_EPS,
                               vals["scale"][0] if scale else None, bf16)  # fmt: skip
     # bf16: the sum order may move a value across a rounding boundary (one bf16 step, 2^-8)
     tol = dict(rtol=8e-3, atol=1e-2) if bf16 else dict(rtol=2e-5, atol=1e-5)
     return KernelCase(
-        inputs=inputs, template=_template(dtype, d, scale, nxt, max_threads), grid=(tg * rows, 1, 1),
+        inputs=inputs, template=row_template(dtype, d, scale, nxt, max_threads), grid=(tg * rows, 1, 1),
         threadgroup=(tg, 1, 1), output_shapes=[(rows, d), (rows, d) if nxt else (1,)],
         output_dtypes=[dtype, dtype], expected=[out] + ([x] if nxt else []),
         input_dtypes={k: dtype for k in ("h", "a", "w_a", "w_next", "scale")} if bf16 else {},
@@ -499,17 +496,17 @@ def _moe_out_case(rng: np.random.Generator, rows: int, d: int, dtype: str, scale
     from .registry import KernelCase, bf16_to_f32, f32_to_bf16
 
     bf16 = dtype == "bfloat16"
-    vals, inputs = _case_values(rng, rows, d, bf16, ("w_mlp", "w_moe", "w_post", "w_next"), {"scale": [0.75]})
+    vals, inputs = row_case_values(rng, rows, d, bf16, ("w_mlp", "w_moe", "w_post", "w_next"), {"scale": [0.75]})
     moe = (rng.standard_normal((rows, d)) * 0.5 - 0.2).astype(np.float32)
     vals["mlp"], vals["moe"] = vals.pop("a"), bf16_to_f32(f32_to_bf16(moe)) if bf16 else moe
     inputs["mlp"], inputs["moe"] = inputs.pop("a"), f32_to_bf16(vals["moe"]) if bf16 else vals["moe"]
-    tg, quads = _geometry(d, max_threads)
+    tg, quads = row_geometry(d, max_threads)
     out, x = residual_norm_moe_out_np(vals["h"], vals["mlp"], vals["moe"], vals["w_mlp"], vals["w_moe"], vals["w_post"],
                                       vals["w_next"] if nxt else None, _CASE_EPS, vals["scale"][0] if scale else None,
                                       bf16)  # fmt: skip
     tol = dict(rtol=8e-3, atol=1e-2) if bf16 else dict(rtol=2e-5, atol=1e-5)
     return KernelCase(
-        inputs=inputs, template=_template(dtype, d, scale, nxt, max_threads), grid=(tg * rows, 1, 1),
+        inputs=inputs, template=row_template(dtype, d, scale, nxt, max_threads), grid=(tg * rows, 1, 1),
         threadgroup=(tg, 1, 1), output_shapes=[(rows, d), (rows, d) if nxt else (1,)],
         output_dtypes=[dtype, dtype], expected=[out] + ([x] if nxt else []),
         input_dtypes={k: dtype for k in ("h", "mlp", "moe", "w_mlp", "w_moe", "w_post", "w_next", "scale")}

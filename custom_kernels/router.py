@@ -39,13 +39,13 @@ from . import (KernelSource, backend, check_ticket_counters, dtype_name, geometr
                ticket_counters, use_kernel, use_reference)
 from .attention import _text as attention_text
 from .dialect import render
-from .norm import _check as norm_check
-from .norm import _geometry as norm_geometry
-from .norm import _template as norm_template
-from .norm import fusable, moe_norm_parts, residual_norm_moe_np, residual_norm_moe_reference
+from .norm import (check_rows, fusable, moe_norm_parts, residual_norm_moe_np, residual_norm_moe_reference, row_case_values,
+                   row_geometry, row_template)
 
 __all__ = ["MAX_EXPERTS", "MAX_TOP_K", "kernel_specs", "route", "route_f64", "route_reference", "router_logits",
-           "router_logits_reference", "route_logits", "route_logits_supported", "new_router_counters"]
+           "router_logits_reference", "route_logits", "route_logits_supported", "new_router_counters",
+           "residual_norm_route", "residual_norm_route_reference", "NORM_ROUTE_MAX_D", "NORM_ROUTE_MAX_EXPERTS",
+           "NORM_ROUTE_MAX_TOP_K", "NormRouteConfig"]
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
@@ -199,7 +199,7 @@ def new_router_counters() -> mx.array:
 # CUDA only, op family "norm_route"), for one token: every threadgroup runs g4_residual_norm_moe's
 # text over the token's row (the same threads and sums: the same bits), threadgroup 0 stores out, x
 # and x2, and each keeps the router's input in shared memory instead of storing it; then each computes
-# TG / 32 logits from it with route_logits' text, takes route_logits' ticket, and the last routes.
+# LPG logits from it with route_logits' text, takes route_logits' ticket, and the last routes.
 # One launch instead of g4_residual_norm_moe then g4_route_logits, bit for bit their outputs; each
 # threadgroup pays for one norm of a row it reads from L2.
 # Template: T, D, TG, QUADS, SCALE (false), NEXT (true) as g4_residual_norm_moe; TS, H = D, E, K, EPL
@@ -239,9 +239,13 @@ _NORM_ROUTE = KernelSource(
     {"metal": ("", ""), "cuda": (attention_text("")["cuda"][0] + render(moe_norm_parts()[0], "cuda"),
                                  render(_norm_route_body(), "cuda"))})  # fmt: skip
 NORM_ROUTE_MAX_D = 3072
-"""The longest row the launch takes: at most 768 threads of one quad each, so f32's 66 registers per
-thread fit an SM's 64K (at 5376 f32 elements, 672 threads of two quads, the launch failed on the
-H200 in session 33; bf16 takes 48 registers)."""
+NORM_ROUTE_MAX_EXPERTS = 256
+NORM_ROUTE_MAX_TOP_K = 16
+"""The largest call the launch takes: rows of at most 768 threads of one quad each, E and top_k small
+enough that the route's per-thread arrays keep every instantiation within an SM's 64K registers at
+768 threads (ptxas for sm_90, checked by tests/test_metal_compile.py; at E = 128 / k = 8 f32 takes 66
+registers, bf16 48; k = 32 or E = 1024 would take 128-173). At 5376 f32 elements, 672 threads of two
+quads, the launch failed on the H200 (session 33)."""
 NORM_ROUTE_GEOMETRY_ENV = "GEMMA4_MLX_NORM_ROUTE_GEOMETRY"
 """Environment variable: "logits_per_group=N" (custom_kernels.geometry_override), a tuning knob."""
 
@@ -278,10 +282,8 @@ def route_logits(x: mx.array, w: mx.array, per_expert_scale: mx.array, top_k: in
     another (a MoE layer's)."""
     if not route_logits_supported(x, w, top_k):
         return route(router_logits(x, w), per_expert_scale, top_k)
-    check_ticket_counters(counters, ROUTER_COUNTER_WORDS, "new_router_counters")
     e, rows = w.shape[0], int(np.prod(x.shape[:-1], dtype=np.int64))
-    if per_expert_scale.shape != (e,):
-        raise ValueError(f"per_expert_scale [E] expected for {e} experts, got {per_expert_scale.shape}")
+    _check_route_inputs(per_expert_scale, e, counters)
     out = (*x.shape[:-1], top_k)
     _, weights, indices = _FUSED.kernel()(
         inputs=[x, w, per_expert_scale, counters],
@@ -292,6 +294,13 @@ def route_logits(x: mx.array, w: mx.array, per_expert_scale: mx.array, top_k: in
         output_dtypes=[x.dtype, mx.float32, mx.int32],
     )
     return weights, indices
+
+
+def _check_route_inputs(per_expert_scale: mx.array, e: int, counters: mx.array) -> None:
+    """ValueError unless per_expert_scale is [E] and counters new_router_counters()' kind."""
+    check_ticket_counters(counters, ROUTER_COUNTER_WORDS, "new_router_counters")
+    if per_expert_scale.shape != (e,):
+        raise ValueError(f"per_expert_scale [E] expected for {e} experts, got {per_expert_scale.shape}")
 
 
 def residual_norm_route_reference(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps: float, w, per_expert_scale,
@@ -308,21 +317,21 @@ def residual_norm_route(h, a, w_a, w_next, w_next2, r_scale, r_root: float, eps:
     input in one launch of g4_residual_norm_route -> (out, x, x2 [..., H] like h, weights f32 [..., k],
     indices int32 [..., k]), bit for bit the two launches' outputs; or None where op family
     "norm_route" (or "norm_moe", "router_fused", "router") is off or the kernel does not take the
-    call: one token, h, a, the norm weights and w [E, H] of one float dtype, H a multiple of 4 and
-    its row within NORM_ROUTE_MAX_SHARED, E and top_k as route_logits takes them. The caller then
-    takes the two launches. counters: new_router_counters(), the layer's route_logits ones."""
+    call: one token, h, a, the norm weights and w [E, H] of one float dtype, H a multiple of 4 up to
+    NORM_ROUTE_MAX_D, E up to NORM_ROUTE_MAX_EXPERTS, 1 <= top_k <= min(E, NORM_ROUTE_MAX_TOP_K). The
+    caller then takes the two launches. counters: new_router_counters(), the layer's route_logits
+    ones."""
     if not all(use_kernel(f) for f in ("norm_route", "norm_moe", "router_fused", "router")):
         return None
-    norm_check(h, a, w_a, w_next, None)
-    norm_check(h, a, w_next2, r_scale, None)
+    check_rows(h, a, w_a, w_next, None)
+    check_rows(h, a, w_next2, r_scale, None)
     d, e = h.shape[-1], w.shape[0]
     if (h.size != d or not route_logits_supported(h, w, top_k) or not fusable(h, a, w_a, w_next)
-            or not fusable(h, a, w_next2, r_scale) or d > NORM_ROUTE_MAX_D):  # fmt: skip
+            or not fusable(h, a, w_next2, r_scale) or d > NORM_ROUTE_MAX_D or e > NORM_ROUTE_MAX_EXPERTS
+            or top_k > NORM_ROUTE_MAX_TOP_K):  # fmt: skip
         return None
-    if per_expert_scale.shape != (e,):
-        raise ValueError(f"per_expert_scale [E] expected for {e} experts, got {per_expert_scale.shape}")
-    check_ticket_counters(counters, ROUTER_COUNTER_WORDS, "new_router_counters")
-    tg, _ = norm_geometry(d)
+    _check_route_inputs(per_expert_scale, e, counters)
+    tg, _ = row_geometry(d)
     lpg = _logits_per_group(tg)
     lead = h.shape[:-1]
     out, x, x2, _, weights, indices = _NORM_ROUTE.kernel()(
@@ -345,8 +354,8 @@ def _logits_per_group(tg: int) -> int:
 
 def _norm_route_template(dtype: str, scale_dtype: str, d: int, e: int, k: int, lpg: int,
                          max_threads: int | None = None) -> list:  # fmt: skip
-    return (norm_template(dtype, d, False, True, max_threads) + _fused_template(dtype, scale_dtype, d, e, k)[1:-1]
-            + [("LPG", lpg)])
+    route = [(n, v) for n, v in _fused_template(dtype, scale_dtype, d, e, k) if n not in ("T", "NSG")]  # the norm's
+    return row_template(dtype, d, False, True, max_threads) + route + [("LPG", lpg)]
 
 
 def _fused_template(dtype: str, scale_dtype: str, h: int, e: int, k: int) -> list:
@@ -549,56 +558,54 @@ def _fused_cases(rng: np.random.Generator):
             _fused_case_bf16(rng, 2, 45, 128, 5)]  # fmt: skip
 
 
-def _norm_route_case(rng: np.random.Generator, d: int, e: int, k: int, dtype: str, max_threads: int, lpg: int = 0):
+def _norm_route_case(rng: np.random.Generator, d: int, e: int, k: int, dtype: str, max_threads: int, lpg: int = 0,
+                     scale_dtype: str = "float32"):  # fmt: skip
     """One token through g4_residual_norm_route against the float64 oracles: the norms as
-    norm.residual_norm_moe_np rounds them, the logits of its router input, the route of those.
-    bf16: out, x and x2 within one bf16 step, the experts' rows of w set so their logits
-    are distinct targets ~10 bf16 steps apart (the rounding cannot reorder them), weights within 2%,
-    ids exact; f32: random rows, the ids exact, the rest to f32 sums."""
+    norm.residual_norm_moe_np rounds them (norm.row_case_values' inputs), the logits of its router
+    input, the route of those. bf16: out, x and x2 within one bf16 step, the experts' rows of w set
+    so their logits are distinct targets ~10 bf16 steps apart (the rounding cannot reorder them),
+    weights within 2%, ids exact; f32: random rows, the ids exact, the rest to f32 sums."""
     from .registry import KernelCase, bf16_to_f32, f32_to_bf16
 
     bf16 = dtype == "bfloat16"
-    rnd = (lambda v: bf16_to_f32(f32_to_bf16(np.asarray(v, np.float32)))) if bf16 else (lambda v: np.asarray(v, np.float32))
-    eps = 1e-6
-    h, a = rnd(rng.standard_normal((1, d)) * 4), rnd(rng.standard_normal((1, d)) * 0.3 + 0.1)
-    w_a, w_next, w_next2, r_scale = (rnd(rng.uniform(0.2, 2.0, d)) for _ in range(4))
-    r_root = float(rnd(np.array([d ** -0.5]))[0])
-    out, x, x2, xr = residual_norm_moe_np(h, a, w_a, w_next, w_next2, r_scale, r_root, eps, bf16)
+    vals, inputs = row_case_values(rng, 1, d, bf16, ("w_a", "w_next", "w_next2", "r_scale"), {"r_root": [d ** -0.5]})
+    eps = float(inputs["eps"][0])
+    out, x, x2, xr = residual_norm_moe_np(*(vals[n] for n in ("h", "a", "w_a", "w_next", "w_next2", "r_scale")),
+                                          float(vals["r_root"][0]), eps, bf16)  # fmt: skip
     if bf16:
         target = rng.permutation(np.linspace(-2.0, 2.0, e))
-        w = rnd(target[:, None] * xr[0][None, :] / float(xr[0].astype(np.float64) @ xr[0]))
+        w = bf16_to_f32(f32_to_bf16((target[:, None] * xr[0][None, :] / float(xr[0].astype(np.float64) @ xr[0])).astype(np.float32)))
     else:
         w = (rng.standard_normal((e, d)) * 0.1).astype(np.float32)
     logits = xr.astype(np.float64) @ w.astype(np.float64).T
     scale = rng.uniform(0.5, 2.0, e).astype(np.float32)
+    if scale_dtype == "bfloat16":
+        scale = bf16_to_f32(f32_to_bf16(scale))
     wts, ids = route_f64(logits, scale, k)
-    values = {"h": h, "a": a, "w_a": w_a, "w_next": w_next, "scale": w_a, "eps": np.array([eps], np.float32),
-              "w_next2": w_next2, "r_scale": r_scale, "r_root": np.array([r_root], np.float32), "w": w,
-              "e_scale": scale, "counters": np.zeros(ROUTER_COUNTER_WORDS, np.uint32)}  # fmt: skip
+    inputs.update(scale=inputs["w_a"], w=f32_to_bf16(w) if bf16 else w, e_scale=f32_to_bf16(scale) if scale_dtype == "bfloat16" else scale,
+                  counters=np.zeros(ROUTER_COUNTER_WORDS, np.uint32))  # fmt: skip
     act = ("h", "a", "w_a", "w_next", "scale", "w_next2", "r_scale", "r_root", "w")
-    if bf16:
-        values.update({n: f32_to_bf16(values[n]) for n in act})
-    tg, quads = norm_geometry(d, max_threads)
+    tg, quads = row_geometry(d, max_threads)
     lpg = lpg or tg // 32
     norms = (2.0**-7, 1e-6) if bf16 else (2e-5, 1e-5)  # bf16: a last-bit difference of the f32 sums may move one ulp
     return KernelCase(
-        inputs=values, template=_norm_route_template(dtype, "float32", d, e, k, lpg, max_threads),
+        inputs={n: inputs[n] for n in _NORM_ROUTE.input_names}, template=_norm_route_template(dtype, scale_dtype, d, e, k, lpg, max_threads),
         grid=(tg * -(-e // lpg), 1, 1), threadgroup=(tg, 1, 1),
         output_shapes=[(1, d)] * 3 + [(1, e), (1, k), (1, k)], output_dtypes=[dtype] * 4 + ["float32", "int32"],
         expected=[out, x, x2, logits, wts, ids.astype(np.float64)], rtol=0.0, atol=0.0,
         output_tolerances=[norms] * 3 + ([(2.0**-8, 1e-6), (2e-2, 1e-2)] if bf16 else [(1e-5, 1e-5)] * 2) + [(0.0, 0.0)],
-        input_dtypes={n: dtype for n in act} if bf16 else {},
-        label=f"D={d} E={e} k={k} TG={tg} QUADS={quads} LPG={lpg} {dtype}",
+        input_dtypes={**({n: dtype for n in act} if bf16 else {}), **({"e_scale": "bfloat16"} if scale_dtype == "bfloat16" else {})},
+        label=f"D={d} E={e} k={k} TG={tg} QUADS={quads} LPG={lpg} {dtype} scale {scale_dtype}",
     )  # fmt: skip
 
 
 def _norm_route_cases(rng: np.random.Generator):
     """26B-A4B's shape (one threadgroup of 704 threads per 22 experts; and per 4, the rest of its
-    SIMD groups idle after the norms), a row two quads per thread with a last threadgroup of fewer
+    SIMD groups idle after the norms, with bf16 per-expert scales), a row two quads per thread with a last threadgroup of fewer
     experts, one SIMD group per threadgroup (E threadgroups)."""
     return [_norm_route_case(rng, 2816, 128, 8, "bfloat16", 1024), _norm_route_case(rng, 360, 45, 5, "float32", 64),
             _norm_route_case(rng, 96, 10, 10, "bfloat16", 1024), _norm_route_case(rng, 2816, 128, 8, "float32", 1024),
-            _norm_route_case(rng, 2816, 128, 8, "bfloat16", 1024, 4)]  # fmt: skip
+            _norm_route_case(rng, 2816, 128, 8, "bfloat16", 1024, 4, "bfloat16")]  # fmt: skip
 
 
 def kernel_specs():

@@ -56,7 +56,7 @@ def test_rows_not_a_multiple_of_four_use_the_reference(monkeypatch):
 @pytest.mark.parametrize("d,max_threads,tg,quads", [(5376, 1024, 672, 2), (5376, 512, 448, 3), (2560, 1024, 640, 1),
                                                     (68, 1024, 32, 1), (360, 32, 32, 3)])  # fmt: skip
 def test_geometry_covers_the_row(d, max_threads, tg, quads):
-    assert norm._geometry(d, max_threads) == (tg, quads)
+    assert norm.row_geometry(d, max_threads) == (tg, quads)
     assert tg % 32 == 0 and tg <= max_threads and 4 * tg * quads >= d > 4 * tg * (quads - 1)
 
 

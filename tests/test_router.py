@@ -253,8 +253,9 @@ def test_norm_route_registry_cases_agree_with_the_reference():
 
 
 def test_residual_norm_route_routing_on_faked_cuda(monkeypatch):
-    """residual_norm_route (family "norm_route", opt-in): None with the family off, on a CPU build,
-    for two tokens, a router of another dtype and top_k past E; on (faked) CUDA one launch with the
+    """residual_norm_route (family "norm_route", opt-in): None with the family or one it needs off,
+    on a CPU build, for two tokens, a router of another dtype, top_k past E and past the launch's
+    register limits (E, top_k); on (faked) CUDA one launch with the
     norms' and the route's template, E / (TG / 32) threadgroups, the router's counters last and
     out, x, x2, weights, ids back; wrong counters or per-expert scales an error."""
     import custom_kernels
@@ -272,16 +273,17 @@ def test_residual_norm_route_routing_on_faked_cuda(monkeypatch):
     stand_in = _recording_cuda_kernel(seen)
     monkeypatch.setattr(mx.fast, "cuda_kernel", stand_in)
     monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
-    assert call() is None  # family off
-    monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "norm_route")
-    monkeypatch.setattr(custom_kernels, "backend", lambda: "cpu")
-    assert call() is None  # a CPU build (route_logits_supported's check)
-    monkeypatch.setattr(custom_kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(rt, "backend", lambda: "cuda")
     custom_kernels.clear_kernel_cache()
     try:
+        assert call() is None  # family off
+        monkeypatch.setenv(custom_kernels.UNPROVEN_ENV, "norm_route")
+        for needed in ("norm_moe", "router_fused", "router"):
+            monkeypatch.setenv(custom_kernels.KERNELS_OFF_ENV, needed)
+            assert call() is None, needed
+        monkeypatch.delenv(custom_kernels.KERNELS_OFF_ENV)
         assert call(h=mx.concatenate([h, h], 1), a=mx.concatenate([a, a], 1)) is None  # two tokens
-        assert call(w=w.astype(mx.bfloat16)) is None and call(k=10) is None
+        assert call(w=w.astype(mx.bfloat16)) is None and call(k=10) is None  # mixed dtypes, k > E
         assert not seen
         out, x, x2, wts, ids = call()
         with pytest.raises(ValueError, match="counters must be uint32"):
@@ -297,3 +299,9 @@ def test_residual_norm_route_routing_on_faked_cuda(monkeypatch):
     assert (t["D"], t["H"], t["TG"], t["QUADS"], t["E"], t["K"], t["EPL"], t["NEXT"], t["SCALE"], t["LPG"]) == (64, 64, 32, 1, 9, 3, 1, True, False, 1)
     assert c["grid"] == (32 * 9, 1, 1) and c["threadgroup"] == (32, 1, 1)
     assert c["output_shapes"][3] == (1, 1, 9) and c["output_dtypes"][3] == mx.float32
+    wide = mx.zeros((rt.NORM_ROUTE_MAX_EXPERTS + 1, 64))
+    assert call(w=wide, scale=mx.ones((wide.shape[0],))) is None
+    k_past = rt.NORM_ROUTE_MAX_TOP_K + 1
+    assert call(w=mx.zeros((k_past + 3, 64)), scale=mx.ones((k_past + 3,)), k=k_past) is None
+    monkeypatch.setattr(rt, "backend", lambda: "cpu")
+    assert call() is None  # a CPU build
