@@ -336,3 +336,29 @@ def _symbols_in_order(ptx: str) -> str:
     order: dict[str, str] = {}
     return re.sub(r"_Z\w+", lambda m: order.setdefault(m.group(0), f"_SYM{len(order)}"), ptx)
 
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_norm_route_largest_call_fits_the_registers(tmp_path: Path):
+    """custom_kernels.router.residual_norm_route's largest accepted call (NORM_ROUTE_MAX_D,
+    NORM_ROUTE_MAX_EXPERTS, NORM_ROUTE_MAX_TOP_K), f32 and bf16: ptxas' registers per thread times
+    the launch's threads fit an SM's 64K (the f32 launch at 672 threads of two quads failed to start
+    on the H200, session 33)."""
+    import dataclasses
+
+    from custom_kernels import router as rt
+    from custom_kernels.norm import row_geometry
+
+    spec = next(s for s in SPECS if s.name == "g4_residual_norm_route")
+    d, e, k = rt.NORM_ROUTE_MAX_D, rt.NORM_ROUTE_MAX_EXPERTS, rt.NORM_ROUTE_MAX_TOP_K
+    tg, _ = row_geometry(d, 1024)
+    cases = [rt._norm_route_case(np.random.default_rng(0), d, e, k, dtype, 1024) for dtype in ("float32", "bfloat16")]
+    largest = dataclasses.replace(spec, cases=lambda rng: cases)
+    src = tmp_path / "norm_route.cu"
+    src.write_text(cuda_text([largest]))
+    _cuda_spec_groups(tmp_path)  # MLX's device utils stub on the include path
+    res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-o", str(src.with_suffix(".cubin")),
+                          f"-I{tmp_path}", "--resource-usage", str(src)], capture_output=True, text=True, check=False)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    registers = [int(n) for n in re.findall(r"Used (\d+) registers", res.stdout + res.stderr)]
+    assert len(registers) == 2 and all(n * tg <= 65536 for n in registers), (tg, registers)

@@ -149,10 +149,14 @@ def test_residual_norm_route_equals_norm_then_route_logits(monkeypatch, d, e, k,
     assert rt.residual_norm_route(h1, h1, *[mx.ones((h1.shape[-1],), dtype)] * 4, root, eps,
                                   mx.ones((e, h1.shape[-1]), dtype), scale, k, counters) is None  # fmt: skip
     # a chain: each call's out is the next call's h (one graph, the counters reused in order)
-    chain, ref = h, h
+    chain, ref, got, want = h, h, [], []
     for _ in range(3):
-        chain = rt.residual_norm_route(chain, a, *wv, root, eps, w, scale, k, counters)[0]
-        ref = norm.residual_norm_moe(ref, a, *wv, root, eps)[0]
-    mx.eval(chain, ref)
-    assert np.array_equal(np.array(chain.astype(mx.float32)), np.array(ref.astype(mx.float32)))
+        step = rt.residual_norm_route(chain, a, *wv, root, eps, w, scale, k, counters)
+        out, x, x2, xr = norm.residual_norm_moe(ref, a, *wv, root, eps)
+        got.append(step)
+        want.append((out, x, x2, *rt.route_logits(xr, w, scale, k, two)))
+        chain, ref = step[0], out
+    mx.eval(got, want)
+    for g, wnt in zip((t for s in got for t in s), (t for s in want for t in s)):
+        assert np.array_equal(np.array(g.astype(mx.float32)), np.array(wnt.astype(mx.float32)))
     assert not np.array(counters).any()
