@@ -312,7 +312,16 @@ def test_compact_cuda_text_compiles_to_the_same_ptx(tmp_path: Path):
             src = tmp_path / f"kernels_{i}_{form}.cu"
             src.write_text(cuda_text(group))
             sources.append(src)
-    failures = _nvcc_all(sources, tmp_path, "ptx")
+    def pair(i: int, a: str, b: str) -> list[Path]:
+        return [tmp_path / f"kernels_{i}_{form}.cu" for form in (a, b)]
+
+    pairs = []
+    for i in range(len(groups)):
+        pairs.append(pair(i, "full", "compact"))
+        pairs += [pair(i, f"pruned{g}", f"single{g}") for g in range(pruned_groups[i])]
+        pairs += [pair(i, f"short{g}_{k}", f"one{g}_{k}") for g, (_, ks) in enumerate(pruned_keys[i]) for k in ks]
+    assert sorted(p for two in pairs for p in two) == sorted(sources)
+    failures = _nvcc_pairs_at_one_path(pairs, tmp_path)
     assert not failures, "\n\n".join(failures)
     # nvcc names internal-linkage globals (cuda::std's customization-point objects) after the file
     internal = re.compile(r"_ZN\d+_INTERNAL_[0-9a-f]{8}_\d+_\w+?_cu_[0-9a-f]{8}")
@@ -328,6 +337,32 @@ def test_compact_cuda_text_compiles_to_the_same_ptx(tmp_path: Path):
             g = next(g for g, (_, ks) in enumerate(pruned_keys[i]) if k in ks)
             short, one = (_symbols_in_order(ptx(i, f"{form}{g}_{k}")) for form in ("short", "one"))
             assert short == one, f"{groups[i][k].name}: the short text compiles differently"
+
+
+def _nvcc_pairs_at_one_path(pairs: list[list[Path]], tmp_path: Path) -> list[str]:
+    """PTX next to each source of `pairs`, the two of a pair compiled one after the other from one
+    path (a pair's directory, unit.cu): nvcc's output depends on the source's path (its hash names
+    internal symbols, and the register numbering can move with it: two registers in one
+    g4_q4_0_moe_experts instantiation, session 33), so the texts compared are compiled alike. The
+    failures."""
+    import concurrent.futures
+    import os
+
+    def one(job: tuple[int, list[Path]]) -> str | None:
+        n, two = job
+        unit = tmp_path / "one_path" / str(n) / "unit.cu"
+        unit.parent.mkdir(parents=True)
+        for src in two:
+            shutil.copyfile(src, unit)
+            cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-ptx", "-o", str(unit.with_suffix(".ptx")), f"-I{tmp_path}", str(unit)]
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if res.returncode != 0:
+                return f"{src.name}:\n{(res.stdout + res.stderr)[-3000:]}"
+            shutil.copyfile(unit.with_suffix(".ptx"), src.with_suffix(".ptx"))
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
+        return [f for f in pool.map(one, enumerate(pairs)) if f]
 
 
 def _symbols_in_order(ptx: str) -> str:
