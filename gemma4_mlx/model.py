@@ -413,9 +413,11 @@ class DecoderLayer(nn.Module):
         """_moe_inputs and the route in one launch (family "norm_route",
         custom_kernels.router.residual_norm_route) -> (h, x, x for the experts, weights, indices),
         or None (also with "moe_route_fold" on: it takes the router's input)."""
+        if not use_kernel("norm_route") or use_kernel("moe_route_fold"):  # one check per MoE layer when off
+            return None
         r = self.router
         w = r.plain_weight
-        if w is None or use_kernel("moe_route_fold"):
+        if w is None:
             return None
         return residual_norm_route(h, a, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
                                    self.pre_feedforward_layernorm_2.weight, r.scale, r.root,

@@ -248,20 +248,31 @@ def _cuda_spec_groups(tmp_path: Path) -> list[list[KernelSpec]]:
     return list(by_header.values())
 
 
-def _nvcc_all(sources: list[Path], tmp_path: Path, output: str) -> list[str]:
-    """Compile each source with nvcc for sm_90 to `output` ("cubin" or "ptx") next to it, a few
-    at a time (dozens of concurrent nvcc processes would swamp a small CI machine); the failures."""
+def _nvcc(src: Path, tmp_path: Path, output: str, *extra: str) -> subprocess.CompletedProcess:
+    """nvcc for sm_90 of one source to `output` ("cubin" or "ptx") next to it, MLX's device utils stub
+    under tmp_path on the include path."""
+    cmd = ["nvcc", "-std=c++17", "-arch=sm_90", f"-{output}", "-o", str(src.with_suffix("." + output)),
+           f"-I{tmp_path}", *extra, str(src)]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, check=False)
+
+
+def _failure(src: Path, res: subprocess.CompletedProcess) -> str | None:
+    return None if res.returncode == 0 else f"{src.name}:\n{(res.stdout + res.stderr)[-3000:]}"
+
+
+def _a_few_at_a_time(job, items) -> list[str]:
+    """job(item) -> failure or None over items, a few at a time (dozens of concurrent nvcc processes
+    would swamp a small CI machine); the failures."""
     import concurrent.futures
     import os
 
-    def one(src: Path) -> str | None:
-        cmd = ["nvcc", "-std=c++17", "-arch=sm_90", f"-{output}", "-o", str(src.with_suffix("." + output)),
-               f"-I{tmp_path}", str(src)]  # fmt: skip
-        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        return None if res.returncode == 0 else f"{src.name}:\n{(res.stdout + res.stderr)[-3000:]}"
-
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
-        return [f for f in pool.map(one, sources) if f]
+        return [f for f in pool.map(job, items) if f]
+
+
+def _nvcc_all(sources: list[Path], tmp_path: Path, output: str) -> list[str]:
+    """Compile each source (_nvcc); the failures."""
+    return _a_few_at_a_time(lambda src: _failure(src, _nvcc(src, tmp_path, output)), sources)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -345,8 +356,6 @@ def _nvcc_pairs_at_one_path(pairs: list[list[Path]], tmp_path: Path) -> list[str
     internal symbols, and the register numbering can move with it: two registers in one
     g4_q4_0_moe_experts instantiation, session 33), so the texts compared are compiled alike. The
     failures."""
-    import concurrent.futures
-    import os
 
     def one(job: tuple[int, list[Path]]) -> str | None:
         n, two = job
@@ -354,15 +363,13 @@ def _nvcc_pairs_at_one_path(pairs: list[list[Path]], tmp_path: Path) -> list[str
         unit.parent.mkdir(parents=True)
         for src in two:
             shutil.copyfile(src, unit)
-            cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-ptx", "-o", str(unit.with_suffix(".ptx")), f"-I{tmp_path}", str(unit)]
-            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if res.returncode != 0:
-                return f"{src.name}:\n{(res.stdout + res.stderr)[-3000:]}"
+            failure = _failure(src, _nvcc(unit, tmp_path, "ptx"))
+            if failure:
+                return failure
             shutil.copyfile(unit.with_suffix(".ptx"), src.with_suffix(".ptx"))
         return None
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
-        return [f for f in pool.map(one, enumerate(pairs)) if f]
+    return _a_few_at_a_time(one, enumerate(pairs))
 
 
 def _symbols_in_order(ptx: str) -> str:
@@ -392,8 +399,7 @@ def test_norm_route_largest_call_fits_the_registers(tmp_path: Path):
     src = tmp_path / "norm_route.cu"
     src.write_text(cuda_text([largest]))
     _cuda_spec_groups(tmp_path)  # MLX's device utils stub on the include path
-    res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-o", str(src.with_suffix(".cubin")),
-                          f"-I{tmp_path}", "--resource-usage", str(src)], capture_output=True, text=True, check=False)  # fmt: skip
+    res = _nvcc(src, tmp_path, "cubin", "--resource-usage")
     assert res.returncode == 0, res.stderr[-3000:]
     registers = [int(n) for n in re.findall(r"Used (\d+) registers", res.stdout + res.stderr)]
     assert len(registers) == 2 and all(n * tg <= 65536 for n in registers), (tg, registers)
