@@ -24,8 +24,10 @@ What one row (model x context) measures:
   generate_step uses); mlx-lm through its model call on its KVCache / RotatingKVCache (the full
   caches preallocated to the run's final length, so no 256-token growth copy falls in a timed window).
 * Timing: greedy decode, pipelined as both libraries' generate_step do: step n+1 is built and
-  `mx.async_eval`ed before token n is waited for; each step is model -> logprobs (logits minus
-  logsumexp) -> the library's greedy sampler, on the device, the sampled token fed back. tokens/s =
+  `mx.async_eval`ed before token n is waited for; each step is model -> the library's greedy
+  sampler, on the device, the sampled token fed back (mlx-lm's sampler takes the logprobs, logits
+  minus logsumexp; ours takes the logits, as its generate_step does, and leaves the logprobs
+  unevaluated: gemma4_mlx.sampling.choose). tokens/s =
   S / (time from token W to token W+S) after W warm-up tokens; --rounds rounds, the two engines
   interleaved in each; the median round is reported. --sync instead evaluates every token before
   building the next. The context grows by the tokens decoded (context_end in the JSON).
@@ -92,7 +94,7 @@ from gemma4_mlx.config import FULL, SLIDING, ModelConfig, num_params, preset  # 
 from gemma4_mlx.model import Experts, Model  # noqa: E402
 from gemma4_mlx.quantized import BlockEmbedding, BlockExperts, BlockLinear, fuse_projections  # noqa: E402
 from gemma4_mlx.quants import Q4_0, Q8_0  # noqa: E402
-from gemma4_mlx.sampling import make_sampler  # noqa: E402
+from gemma4_mlx.sampling import choose, make_sampler  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 OURS, MLX_LM = "gemma4_mlx", "mlx_lm"
@@ -536,8 +538,13 @@ class OursEngine:
         self.decoder = None
 
     def full_step(self, sampler=None):
+        """One token as generate_step picks it (sampling.choose: make_sampler's samplers take the
+        logits; the logprobs are not evaluated). With GEMMA4_BENCH_LOGPROBS_FIRST=1 set while the step
+        is built, the sampler takes the evaluated logprobs, as mlx-lm's does (the pre-session-34 step)."""
         sampler, dec = sampler or self.greedy, self.decoder
-        return lambda tok: sampler(_logprobs(dec(tok.reshape(1, 1))))
+        if os.environ.get("GEMMA4_BENCH_LOGPROBS_FIRST") == "1":
+            return lambda tok: sampler(_logprobs(dec(tok.reshape(1, 1))))
+        return lambda tok: choose(dec(tok.reshape(1, 1)), sampler)[0]
 
     def logits_step(self, decoder=None):
         """Logits (or the headless decoder's hidden state) of a fixed token, with the cache buffers as

@@ -52,6 +52,7 @@ K keys; top_k = 0 sorts all V).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -841,11 +842,25 @@ def sample(logits: mx.array, temp: float, top_k: int = 0, top_p: float = 1.0, mi
     if use_reference() or cfg is None:
         return sample_reference(logits, temp, top_k, top_p, min_p, key_or_uniform,
                                 min_tokens_to_keep=min_tokens_to_keep)  # fmt: skip
-    plan = plan_sample(b, v, k, cfg)
-    u = mx.zeros((b,), dtype=mx.float32) if temp == 0 else uniform_draw(key_or_uniform, b)
+    plan = _plan(b, v, k, cfg)
+    if temp == 0:  # greedy: one set of inputs (the filters cannot drop the top rank)
+        u, params = _greedy_inputs(b)
+    else:
+        u = uniform_draw(key_or_uniform, b)
+        params = mx.array(_params(temp, top_p, min_p, min_tokens_to_keep))
     cand_val, cand_idx, stats = launch_select(logits.astype(mx.float32), plan)
-    params = mx.array(_params(temp, top_p, min_p, min_tokens_to_keep))
     return launch_merge(cand_val, cand_idx, stats, u, params, plan)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(b: int, v: int, k: int, cfg: SampleConfig) -> SamplePlan:
+    return plan_sample(b, v, k, cfg)
+
+
+@functools.lru_cache(maxsize=16)
+def _greedy_inputs(b: int) -> tuple[mx.array, mx.array]:
+    """(u f32 [B] zeros, params f32 [4]) of every greedy call on B rows: made once, not per token."""
+    return mx.zeros((b,), dtype=mx.float32), mx.array(_params(0.0, 1.0, 0.0, 1))
 
 
 # --------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from .compiled_step import CompiledDecoder
 from .config import ConfigError
 from .gguf import GGUFError
 from .model import Model
-from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
+from .sampling import LogitsProcessor, Sampler, choose, make_logits_processors, make_sampler
 from .tokenizer import Tokenizer
 
 __all__ = ["GenerationDefaults", "GenerationResponse", "LoadError", "load", "resolve_model_path",
@@ -247,6 +247,7 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
                   compiled: bool = True,
                   ) -> Iterator[tuple[int, mx.array]]:
     """Yield (token id, logprobs fp32 [V]) for up to max_tokens new tokens after `prompt` (ids, 1-D).
+    The logprobs are computed when read (sampling.choose: make_sampler's samplers pick from the logits).
 
     prompt_cache: caches from `cache.make_cache` holding a prefix already (the prompt continues it); by
     default a fresh cache bounded by max_kv_size. The prompt is prefilled in chunks of
@@ -272,12 +273,11 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
     processors = list(logits_processors or [])
     history = tokens
 
-    def choose(logits: mx.array) -> tuple[mx.array, mx.array]:
+    def next_token(logits: mx.array) -> tuple[mx.array, mx.array]:
         nonlocal history
         for process in processors:
             logits = process(history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        y = sampler(logprobs).astype(mx.int32)
+        y, logprobs = choose(logits, sampler)
         if processors:
             history = mx.concatenate([history, y])
         return y, logprobs[0]
@@ -301,8 +301,8 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
         done += step
         if prompt_progress_callback:
             prompt_progress_callback(done, n_prompt)
-    y, logprobs = choose(_last_logits(model, tokens[None, done:], cache))
-    mx.async_eval(y, logprobs)
+    y, logprobs = next_token(_last_logits(model, tokens[None, done:], cache))
+    mx.async_eval(y)  # the logprobs are computed when read (sampling.choose)
     if prompt_progress_callback:
         prompt_progress_callback(n_prompt, n_prompt)
 
@@ -326,8 +326,8 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
         free = room()
         if n + 1 < max_tokens and (free is None or free > 0):
             logits = decoder(y[None]) if decoder is not None else _last_logits(model, y[None], cache)
-            following = choose(logits)
-            mx.async_eval(*following)
+            following = next_token(logits)
+            mx.async_eval(following[0])
         yield int(y.item()), logprobs
         n += 1
         if following is None:
@@ -423,8 +423,8 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: str | Sequence[int] | m
     else:
         ids = [int(t) for t in prompt]
     stop = set(tokenizer.eos_ids) | set(int(t) for t in (stop_tokens or ()))
-    cache = prompt_cache if prompt_cache is not None else make_cache(model.cfg, max_kv_size=max_kv_size)
-    free = _free_positions(cache)
+    bounds = prompt_cache if prompt_cache is not None else make_cache(model.cfg, max_kv_size=max_kv_size)
+    free = _free_positions(bounds)
     if free is not None and len(ids) <= free:
         max_tokens = min(max_tokens, free - len(ids) + 1)  # the last token is never fed back
     splitter = ThinkingSplitter(tokenizer, enabled=split_thinking)
@@ -442,8 +442,11 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: str | Sequence[int] | m
                                   reasoning=reasoning)
 
     if max_tokens > 0:
+        # no prompt_cache of the caller's: generate_step then owns its cache and decodes through the
+        # compiled step (with one, it keeps that cache updated eagerly)
         steps = generate_step(ids, model, max_tokens=max_tokens, sampler=sampler,
-                              logits_processors=logits_processors, prompt_cache=cache, **kwargs)
+                              logits_processors=logits_processors, max_kv_size=max_kv_size,
+                              prompt_cache=prompt_cache, **kwargs)
         for token, logprobs in steps:
             n += 1
             now = time.perf_counter()

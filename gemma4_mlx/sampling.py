@@ -1,7 +1,7 @@
 """Samplers and logits processors, all on device (MLX ops; nothing is read back to the host).
 
     sampler = make_sampler(temp=1.0, top_p=0.95, top_k=64)
-    token = sampler(logprobs)                       # logprobs fp32 [B, V] -> token ids int32 [B]
+    token = sampler(logprobs)                       # logprobs (or logits) fp32 [B, V] -> ids int32 [B]
     for process in make_logits_processors(logit_bias={106: -5.0}, repetition_penalty=1.1):
         logits = process(tokens, logits)            # tokens int [N] (context so far), logits [B, V]
 
@@ -23,13 +23,33 @@ from custom_kernels import use_kernel
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
-__all__ = ["Sampler", "LogitsProcessor", "make_sampler", "make_logits_processors", "greedy",
+__all__ = ["Sampler", "LogitsProcessor", "make_sampler", "make_logits_processors", "greedy", "choose",
            "top_k_candidates", "top_p_mask", "min_p_mask", "apply_repetition_penalty"]
 
 
-def greedy(logprobs: mx.array) -> mx.array:
-    """argmax over the last axis: [B, V] -> int32 [B]."""
-    return mx.argmax(logprobs, axis=-1).astype(mx.int32)
+def greedy(scores: mx.array) -> mx.array:
+    """argmax over the last axis (the first on ties): [B, V] -> int32 [B]. GPU builds: the k = 1
+    selection kernels of custom_kernels.sampling (which count NaN as -inf)."""
+    if scores.ndim == 2 and use_kernel("sampling"):
+        from custom_kernels.sampling import sample as sample_kernel
+
+        return sample_kernel(scores.astype(mx.float32), 0.0)[0]
+    return mx.argmax(scores, axis=-1).astype(mx.int32)
+
+
+greedy.shift_invariant = True
+
+
+def choose(logits: mx.array, sampler: Sampler) -> tuple[mx.array, mx.array]:
+    """(token ids int32 [B], logprobs f32 [B, V]) of logits f32 [B, V]; logprobs = logits - logsumexp.
+
+    The samplers of make_sampler (marked `shift_invariant`) give the same draw for scores shifted by a
+    constant per row, so they get the logits themselves: the token then does not wait for the
+    logsumexp, and the logprobs stay lazy (computed only when read; ~45 us of a step on the H200,
+    bench/NOTES.md session 34). Other samplers get the logprobs, as mlx-lm's do."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    scores = logits if getattr(sampler, "shift_invariant", False) else logprobs
+    return sampler(scores).astype(mx.int32), logprobs
 
 
 def top_k_candidates(scores: mx.array, k: int) -> tuple[mx.array, mx.array]:
@@ -71,7 +91,8 @@ def min_p_mask(logprobs: mx.array, min_p: float, min_tokens_to_keep: int = 1) ->
 
 def make_sampler(temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0, top_k: int = 0,
                  min_tokens_to_keep: int = 1, seed: int | None = None) -> Sampler:
-    """A function logprobs fp32 [B, V] -> sampled token ids int32 [B].
+    """A function scores fp32 [B, V] -> sampled token ids int32 [B]. The scores are logprobs or logits:
+    the draw depends on them only up to a constant per row (`shift_invariant`, which `choose` uses).
 
     temp 0: greedy (argmax; the other settings are ignored). top_k 0, top_p 1.0 and min_p 0.0 are
     "off". seed: None draws from MLX's global generator (seed it with `mx.random.seed`); an int gives
@@ -126,6 +147,7 @@ def make_sampler(temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0, top_
             choice = mx.take_along_axis(index, choice[..., None], axis=-1).squeeze(-1)
         return choice
 
+    sample.shift_invariant = True
     return sample
 
 

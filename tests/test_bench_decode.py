@@ -308,3 +308,28 @@ def test_quick_run_with_mlx_lm(tmp_path):
     assert "error" not in lm["breakdown_variants"]["no_attention"]
     _check_stages(lm["stages_ms"])
     _check_stages(row[bd.OURS]["stages_ms"])
+
+
+def test_full_step_picks_from_the_logits_unless_asked_for_logprobs_first(monkeypatch):
+    """OursEngine.full_step picks as generate_step does (sampling.choose: the greedy sampler gets the
+    decoder's logits themselves); with GEMMA4_BENCH_LOGPROBS_FIRST=1 set while the step is built, the
+    sampler gets the logprobs, as mlx-lm's step does."""
+    engine = bd.OursEngine(bd.QUICK_MODELS["tiny-dense"]())
+    engine.start(16, 8)
+    decoded, seen = [], []
+    decoder = engine.decoder
+    engine.decoder = lambda token: decoded.append(decoder(token)) or decoded[-1]
+
+    def spy(scores):
+        seen.append(scores)
+        return mx.argmax(scores, axis=-1).astype(mx.int32)
+
+    spy.shift_invariant = True
+    token = mx.array([5], mx.int32)
+    picked = engine.full_step(spy)(token)
+    assert seen[0] is decoded[0] and int(picked[0]) == int(mx.argmax(decoded[0][0]))
+    monkeypatch.setenv("GEMMA4_BENCH_LOGPROBS_FIRST", "1")
+    picked = engine.full_step(spy)(token)
+    logprobs = decoded[1] - mx.logsumexp(decoded[1], axis=-1, keepdims=True)
+    np.testing.assert_array_equal(np.array(seen[1]), np.array(logprobs))
+    assert int(picked[0]) == int(mx.argmax(decoded[1][0]))

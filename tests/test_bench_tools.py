@@ -4,7 +4,8 @@ with a stand-in compute-sanitizer: its arguments (a limit, then files or node id
 bench/tools/dynamic_smem_probe.py refuses a build without CUDA. bench/tools/kernel_sass.py: its loop
 counter on a hand-written SASS listing, and the CUDA source it compiles. bench/tools/inprocess_ab.py:
 settings alternated in one process, each traced under its own environment. bench/tools/host_profile.py:
-shares of py-spy's folded stacks below one frame. bench/tools/gpu_suite.sh: its two parts, its log
+shares of py-spy's folded stacks below one frame. bench/tools/generate_paths.py: both decode paths
+timed in turn. bench/tools/gpu_suite.sh: its two parts, its log
 and verdict counts, and its usage errors."""
 
 from __future__ import annotations
@@ -55,6 +56,18 @@ def test_inprocess_ab_traces_each_setting_under_its_environment(tmp_path):
     assert r.returncode != 0 and "unknown kernel families" in r.stderr  # the setting reached the trace
     r = _inprocess_ab(tmp_path, "plain=", "plain=GEMMA4_MLX_KERNELS=reference")
     assert r.returncode != 0 and "labels must differ" in r.stderr
+
+
+def test_generate_paths_times_both_paths_in_turn(tmp_path):
+    cmd = [sys.executable, str(ROOT / "bench/tools/generate_paths.py"), "--model", "tiny-dense", "--prompt", "8",
+           "--tokens", "6", "--rounds", "2", "--out", str(tmp_path / "gp.json")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr
+    rounds = [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("round ")]
+    assert rounds == ["round 1 compiled", "round 1 eager", "round 2 eager", "round 2 compiled"]
+    doc = json.loads((tmp_path / "gp.json").read_text())
+    assert all(len(doc["rows"][k]) == 2 and all(x["tokens"] == 6 for x in doc["rows"][k]) for k in ("compiled", "eager"))
+    assert doc["summary"]["compiled_over_eager"] > 0 and isinstance(doc["compiled_step_used"], bool)
 
 
 def test_host_profile_counts_only_stacks_below_the_frame(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Generation API (gemma4_mlx.generate): load, generate_step, stream_generate, generate, thinking split, demo model."""
 
 import hashlib
+import importlib
 import shutil
 
 import gemma4_mlx  # noqa: F401  (first: MLX's CPU BLAS)
@@ -10,6 +11,7 @@ import pytest
 
 from fixtures import discriminativeness, probe_ids
 from gemma4_mlx import demo
+from gemma4_mlx.cache import cache_length, make_cache
 from gemma4_mlx.checkpoint import LoadError
 from gemma4_mlx.generate import (
     GenerationDefaults,
@@ -84,7 +86,7 @@ def test_sampled_continuation_equals_sampling_over_full_forwards(dense):
     ref = list(ids)
     for _ in range(30):
         logits = model(mx.array([ref]))[:, -1]
-        ref.append(int(sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item()))
+        ref.append(int(sampler(logits).item()))  # make_sampler's samplers take the logits (sampling.choose)
     expected = ref[len(ids):]
     got = [t for t, _ in generate_step(ids, model, max_tokens=30, sampler=make_sampler(temp=2.0, seed=21))]
     assert got == expected
@@ -118,6 +120,28 @@ def test_same_seed_same_text_other_seed_other_text(dense):
         return generate(model, tok, ids, max_tokens=16, sampler=make_sampler(temp=1.0))
 
     assert run_global(5) == run_global(5)
+
+
+def test_stream_generate_decodes_through_the_compiled_step(dense, monkeypatch):
+    """Without a prompt_cache of the caller's (the CLI's path), stream_generate decodes through one
+    compiled step; with one, eagerly, and that cache keeps the tokens. The tokens are the same."""
+    gen = importlib.import_module("gemma4_mlx.generate")  # the package's `generate` is the function
+    built = []
+
+    class Recorded(gen.CompiledDecoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(gen, "CompiledDecoder", Recorded)
+    model, tok = dense
+    ids = prompt_ids(12)
+    compiled = [r.token for r in stream_generate(model, tok, ids, max_tokens=10, stop_tokens=())]
+    assert len(built) == 1 and built[0].traces == 1 and built[0].length > len(ids)
+    cache = make_cache(model.cfg)
+    eager = [r.token for r in stream_generate(model, tok, ids, max_tokens=10, prompt_cache=cache, stop_tokens=())]
+    assert len(built) == 1 and cache_length(cache) > len(ids)
+    assert eager == compiled
 
 
 def test_stream_generate_fields(dense):

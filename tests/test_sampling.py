@@ -7,6 +7,7 @@ import pytest
 
 from gemma4_mlx.sampling import (
     apply_repetition_penalty,
+    choose,
     greedy,
     make_logits_processors,
     make_sampler,
@@ -38,6 +39,28 @@ def test_greedy_at_temperature_zero_ignores_filters():
     batch = mx.array([[0.0, 3.0, 1.0], [5.0, -1.0, 2.0]])
     out = greedy(batch)
     assert out.dtype == mx.int32 and out.tolist() == [1, 0]
+
+
+def test_choose_gives_make_samplers_the_logits_and_others_the_logprobs():
+    """make_sampler's samplers are marked shift-invariant and get the logits (the token does not wait
+    for the logsumexp); any other callable gets the logprobs, as mlx-lm's samplers do."""
+    logits = mx.array([[2.0, 7.5, 7.5, -1.0], [0.0, -3.0, 4.0, 1.0]])
+    want_lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    seen = []
+
+    def spy(scores):
+        seen.append(scores)
+        return mx.argmax(scores, axis=-1)
+
+    y, lp = choose(logits, spy)
+    assert y.dtype == mx.int32 and y.tolist() == [1, 2]
+    np.testing.assert_array_equal(np.array(seen[0]), want_lp)
+    np.testing.assert_array_equal(np.array(lp), want_lp)
+    spy.shift_invariant = True
+    choose(logits, spy)
+    assert seen[1] is logits
+    for sampler in (make_sampler(), make_sampler(temp=0.7, top_k=2, seed=0), make_sampler(temp=1.0, min_p=0.1)):
+        assert sampler.shift_invariant
 
 
 def test_temperature_matches_softmax_of_scaled_logits():
