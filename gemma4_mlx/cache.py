@@ -72,6 +72,13 @@ class KVCache:
             raise ValueError(f"cannot roll back a cache of length {self.offset} to {length}")
         self.offset = length
 
+    def restore(self, keys: mx.array, values: mx.array, length: int) -> None:
+        """Hold keys / values [B, H, capacity >= length, D] whose slots 0..length-1 are positions
+        0..length-1 (a compiled decoder's buffers, handed back)."""
+        if not length <= keys.shape[2] <= (self.max_size or keys.shape[2]):
+            raise ValueError(f"{keys.shape[2]} slots cannot hold {length} positions within max_size {self.max_size}")
+        self.keys, self.values, self.offset = keys, values, length
+
     @property
     def state(self):
         return [] if self.keys is None else [self.keys, self.values]
@@ -145,6 +152,17 @@ class RotatingKVCache:
             self.positions = mx.where(self.positions >= length, -1, self.positions)
         self.offset = length
 
+    def restore(self, keys: mx.array, values: mx.array, length: int) -> None:
+        """Hold a ring keys / values [B, H, capacity, D] in which slot s holds the latest position
+        p < length with p % capacity == s (a compiled decoder's ring, handed back; a slot a rollback
+        emptied is given its previous lap's position, as StepPosition.ring does)."""
+        if keys.shape[2] != self.capacity:
+            raise ValueError(f"a ring of {self.capacity} slots cannot take {keys.shape[2]}")
+        last = length - 1
+        latest = last - (last - mx.arange(self.capacity, dtype=mx.int32)) % self.capacity
+        self.keys, self.values, self.offset = keys, values, length
+        self.positions = mx.where(latest >= 0, latest, -1)
+
     @property
     def state(self):
         return [] if self.keys is None else [self.keys, self.values, self.positions]
@@ -165,6 +183,16 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, rollback_slack:
         else:
             caches.append(KVCache(max_size=max_kv_size))
     return caches
+
+
+def detach(cache: list) -> None:
+    """Drop every cache's buffers (a compiled decoder holds copies of them, or the same arrays,
+    which it can then update in place; CompiledDecoder.hand_back restores them)."""
+    for c in cache:
+        if c is not None:
+            c.keys = c.values = None
+            if isinstance(c, RotatingKVCache):
+                c.positions = None
 
 
 def cache_length(cache: list) -> int:

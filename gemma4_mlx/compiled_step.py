@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from custom_kernels import use_kernel
 
-from .cache import StepPosition, cache_length, make_static
+from .cache import StepPosition, cache_length, make_static, value_rows
 
 
 def _flatten(caches: list) -> list[mx.array]:
@@ -71,6 +71,26 @@ class CompiledDecoder:
     def traces(self) -> int:
         """How often MLX traced the step (1 for a whole generation)."""
         return self._traces[0]
+
+    def hand_back(self, cache: list) -> None:
+        """Give the decoded positions back to `cache`, the caches this decoder was made from (emptied
+        by cache.detach or not): each takes the decoder's buffers (one K|V buffer as two views) and
+        its length. The decoder cannot step after this."""
+        if self.state is None:
+            raise ValueError("this decoder's buffers are gone (handed back, or a step failed)")
+        if len(cache) != len(self.kinds) or any((k is None) != (c is None) for k, c in zip(self.kinds, cache)):
+            raise ValueError("hand_back takes the caches the decoder was made from")
+        buffers = iter(self.state[1:])
+        for kind, c in zip(self.kinds, cache):
+            if c is None:
+                continue
+            keys = next(buffers)
+            if kind[1]:  # one K|V buffer: K's rows, then V's
+                keys, values = keys[: keys.shape[0] // 2], value_rows(keys)
+            else:
+                values = next(buffers)
+            c.restore(keys, values, self.length)
+        self.state = None
 
     def __call__(self, token: mx.array) -> mx.array:
         if self.length + token.shape[-1] > self.capacity:

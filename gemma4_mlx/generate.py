@@ -36,7 +36,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import cpu_matvec
-from .cache import cache_length, make_cache
+from .cache import cache_length, detach, make_cache
 from .checkpoint import LoadError, load_gguf, load_hf
 from .compiled_step import CompiledDecoder
 from .config import ConfigError
@@ -254,9 +254,11 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
     prefill_step_size; decoding runs one step ahead of the consumer (`mx.async_eval`), so a stop after a
     token leaves that token in the cache too. Generation ends early (no error) when a bounded cache is
     full; a prompt that does not fit raises ValueError. compiled: decode through one `mx.compile`d
-    step over fixed-shape caches (compiled_step.py) when the cache is this call's own (no
-    prompt_cache), else eager steps that keep updating prompt_cache. On the CPU, models with
-    Q4_0/Q8_0 linears decode eagerly (cpu_matvec.decode_eagerly: their native matvec is faster)."""
+    step over fixed-shape caches (compiled_step.py); a prompt_cache's buffers move into that step and
+    come back (CompiledDecoder.hand_back) when the generator ends or is closed (a `for` loop left by
+    `break` closes it): read prompt_cache after that. compiled=False: eager steps that update
+    prompt_cache as they go. On the CPU, models with Q4_0/Q8_0 linears decode eagerly
+    (cpu_matvec.decode_eagerly: their native matvec is faster)."""
     tokens = mx.array(prompt, dtype=mx.int32) if not isinstance(prompt, mx.array) else prompt.astype(mx.int32)
     tokens = tokens.reshape(-1)
     n_prompt = tokens.size
@@ -307,32 +309,36 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
         prompt_progress_callback(n_prompt, n_prompt)
 
     decoder = None
-    if (compiled and prompt_cache is None and isinstance(model, Model) and max_tokens > 1
-            and not cpu_matvec.decode_eagerly(model)):
+    if compiled and isinstance(model, Model) and max_tokens > 1 and not cpu_matvec.decode_eagerly(model):
         length = cache_length(cache)
         capacity = -(-(length + max_tokens) // 256) * 256
-        if max_kv_size is not None:
-            capacity = min(capacity, max_kv_size)
+        if free is not None:
+            capacity = min(capacity, length + _free_positions(cache))
         decoder = CompiledDecoder(model, cache, capacity)
+        detach(cache)  # the decoder holds the positions now; hand_back returns them
 
     def room() -> int | None:
         if decoder is not None:
-            return decoder.capacity - decoder.length if max_kv_size is not None else None
+            return decoder.capacity - decoder.length if free is not None else None
         return _free_positions(cache)
 
-    n = 0
-    while n < max_tokens:
-        following = None
-        free = room()
-        if n + 1 < max_tokens and (free is None or free > 0):
-            logits = decoder(y[None]) if decoder is not None else _last_logits(model, y[None], cache)
-            following = next_token(logits)
-            mx.async_eval(following[0])
-        yield int(y.item()), logprobs
-        n += 1
-        if following is None:
-            return
-        y, logprobs = following
+    try:
+        n = 0
+        while n < max_tokens:
+            following = None
+            room_left = room()
+            if n + 1 < max_tokens and (room_left is None or room_left > 0):
+                logits = decoder(y[None]) if decoder is not None else _last_logits(model, y[None], cache)
+                following = next_token(logits)
+                mx.async_eval(following[0])
+            yield int(y.item()), logprobs
+            n += 1
+            if following is None:
+                return
+            y, logprobs = following
+    finally:  # also when the consumer stops early (the generator is closed)
+        if decoder is not None:
+            decoder.hand_back(cache)
 
 
 class ThinkingSplitter:

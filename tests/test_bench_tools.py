@@ -64,10 +64,12 @@ def test_generate_paths_times_both_paths_in_turn(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr
     rounds = [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("round ")]
-    assert rounds == ["round 1 compiled", "round 1 eager", "round 2 eager", "round 2 compiled"]
+    assert rounds == ["round 1 compiled", "round 1 prompt_cache", "round 1 eager",
+                      "round 2 prompt_cache", "round 2 eager", "round 2 compiled"]  # fmt: skip
     doc = json.loads((tmp_path / "gp.json").read_text())
-    assert all(len(doc["rows"][k]) == 2 and all(x["tokens"] == 6 for x in doc["rows"][k]) for k in ("compiled", "eager"))
-    assert doc["summary"]["compiled_over_eager"] > 0 and isinstance(doc["compiled_step_used"], bool)
+    paths = ("compiled", "prompt_cache", "eager")
+    assert all(len(doc["rows"][k]) == 2 and all(x["tokens"] == 6 for x in doc["rows"][k]) for k in paths)
+    assert doc["summary"]["prompt_cache_over_eager"] > 0 and isinstance(doc["compiled_step_used"], bool)
 
 
 def test_host_profile_counts_only_stacks_below_the_frame(tmp_path, capsys):

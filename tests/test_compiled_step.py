@@ -274,3 +274,54 @@ def test_first_layer_full_attention_prefill_and_decode():
         got = decoder(token)
         assert np.allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
         token = mx.argmax(want, axis=-1).reshape(1, 1).astype(mx.int32)
+
+
+@pytest.mark.parametrize("one_buffer", [False, True], ids=["kv_two_buffers", "kv_one_buffer"])
+def test_hand_back_gives_the_caches_what_eager_decoding_leaves(dense_fixture, one_buffer):
+    """CompiledDecoder.hand_back: the detached caches it was made from take its buffers (one K|V
+    buffer as K and V views) and length; positions and K/V equal eager decoding's, the ring wrapped;
+    the decoder then refuses to step or hand back again, and other caches are refused."""
+    from gemma4_mlx.cache import RotatingKVCache, detach
+
+    model = load_hf(dense_fixture.hf_dir, dtype=mx.float32, progress=False)
+    ids = probe_ids(70, seed=23, vocab=model.cfg.vocab_size)[0]
+    eager, cache = make_cache(model.cfg), make_cache(model.cfg)
+    model(mx.array(ids[None, :10]), eager)
+    model(mx.array(ids[None, :10]), cache)
+    for t in range(10, 70):
+        model(mx.array(ids[None, t : t + 1]), eager)
+    decoder = CompiledDecoder(model, cache, capacity=256, one_buffer=one_buffer)
+    detach(cache)
+    for t in range(10, 70):
+        decoder(mx.array(ids[None, t : t + 1]))
+    with pytest.raises(ValueError, match="made from"):
+        decoder.hand_back(make_cache(model.cfg)[:-1] + [None])
+    decoder.hand_back(cache)
+    for a, b in zip(cache, eager, strict=True):
+        if isinstance(a, RotatingKVCache):
+            np.testing.assert_array_equal(np.array(a.positions), np.array(b.positions))
+            held = np.array(b.positions) >= 0
+            assert held.all()  # 70 positions in a ring of 48 slots: every slot holds one
+        else:
+            held = np.arange(a.keys.shape[2]) < 70
+        assert a.offset == b.offset == 70 and a.keys.shape[:2] == b.keys.shape[:2]
+        for u, v in ((a.keys, b.keys), (a.values, b.values)):
+            np.testing.assert_allclose(np.array(u)[:, :, held], np.array(v)[:, :, held], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="gone"):
+        decoder.hand_back(cache)
+
+
+def test_restore_checks_the_buffers():
+    from gemma4_mlx.cache import KVCache, RotatingKVCache
+
+    full, ring = KVCache(max_size=16), RotatingKVCache(window=4, slack=2)
+    with pytest.raises(ValueError, match="max_size"):
+        full.restore(mx.zeros((1, 1, 32, 2)), mx.zeros((1, 1, 32, 2)), 8)
+    with pytest.raises(ValueError, match="cannot hold"):
+        KVCache().restore(mx.zeros((1, 1, 4, 2)), mx.zeros((1, 1, 4, 2)), 8)
+    with pytest.raises(ValueError, match="6 slots"):
+        ring.restore(mx.zeros((1, 1, 8, 2)), mx.zeros((1, 1, 8, 2)), 3)
+    ring.restore(mx.zeros((1, 1, 6, 2)), mx.zeros((1, 1, 6, 2)), 3)
+    assert ring.positions.tolist() == [0, 1, 2, -1, -1, -1] and ring.offset == 3
+    ring.restore(mx.zeros((1, 1, 6, 2)), mx.zeros((1, 1, 6, 2)), 8)
+    assert ring.positions.tolist() == [6, 7, 2, 3, 4, 5]

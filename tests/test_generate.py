@@ -11,7 +11,7 @@ import pytest
 
 from fixtures import discriminativeness, probe_ids
 from gemma4_mlx import demo
-from gemma4_mlx.cache import cache_length, make_cache
+from gemma4_mlx.cache import RotatingKVCache, cache_length, make_cache
 from gemma4_mlx.checkpoint import LoadError
 from gemma4_mlx.generate import (
     GenerationDefaults,
@@ -122,9 +122,26 @@ def test_same_seed_same_text_other_seed_other_text(dense):
     assert run_global(5) == run_global(5)
 
 
+def _same_caches(a: list, b: list) -> None:
+    """Two cache lists hold the same positions and the same K/V rows for them."""
+    assert cache_length(a) == cache_length(b)
+    for x, y in zip(a, b, strict=True):
+        if x is None:
+            assert y is None
+            continue
+        if isinstance(x, RotatingKVCache):
+            np.testing.assert_array_equal(np.array(x.positions), np.array(y.positions))
+            held = np.array(x.positions) >= 0
+        else:
+            held = np.arange(x.keys.shape[2]) < x.offset
+        for u, v in ((x.keys, y.keys), (x.values, y.values)):
+            np.testing.assert_allclose(np.array(u)[:, :, held], np.array(v)[:, :, held], rtol=1e-5, atol=1e-5)
+
+
 def test_stream_generate_decodes_through_the_compiled_step(dense, monkeypatch):
-    """Without a prompt_cache of the caller's (the CLI's path), stream_generate decodes through one
-    compiled step; with one, eagerly, and that cache keeps the tokens. The tokens are the same."""
+    """stream_generate (the CLI's path) decodes through one compiled step traced once, with or
+    without a prompt_cache of the caller's; that cache then holds what eager decoding leaves in it
+    (buffers handed back: same positions, same K/V), and the tokens are the eager ones."""
     gen = importlib.import_module("gemma4_mlx.generate")  # the package's `generate` is the function
     built = []
 
@@ -136,12 +153,36 @@ def test_stream_generate_decodes_through_the_compiled_step(dense, monkeypatch):
     monkeypatch.setattr(gen, "CompiledDecoder", Recorded)
     model, tok = dense
     ids = prompt_ids(12)
-    compiled = [r.token for r in stream_generate(model, tok, ids, max_tokens=10, stop_tokens=())]
-    assert len(built) == 1 and built[0].traces == 1 and built[0].length > len(ids)
-    cache = make_cache(model.cfg)
-    eager = [r.token for r in stream_generate(model, tok, ids, max_tokens=10, prompt_cache=cache, stop_tokens=())]
-    assert len(built) == 1 and cache_length(cache) > len(ids)
-    assert eager == compiled
+    own = [r.token for r in stream_generate(model, tok, ids, max_tokens=50, stop_tokens=())]
+    assert len(built) == 1 and built[0].traces == 1
+    cache, eager_cache = make_cache(model.cfg), make_cache(model.cfg)
+    given = [r.token for r in stream_generate(model, tok, ids, max_tokens=50, prompt_cache=cache, stop_tokens=())]
+    assert len(built) == 2 and built[1].traces == 1
+    eager = [r.token for r in stream_generate(model, tok, ids, max_tokens=50, prompt_cache=eager_cache,
+                                              stop_tokens=(), compiled=False)]  # fmt: skip
+    assert len(built) == 2 and own == given == eager
+    assert cache_length(cache) == len(ids) + len(eager) - 1 > model.cfg.sliding_window + 32  # the ring wrapped
+    _same_caches(cache, eager_cache)
+
+
+def test_compiled_generation_continues_a_prompt_cache(dense):
+    """A prompt_cache decoded through the compiled step, stopped early by the consumer (the
+    generator closed) or run to its end, continues as one long generation does."""
+    model, _ = dense
+    ids = prompt_ids(20)
+    whole = [t for t, _ in generate_step(ids, model, max_tokens=60)]
+    cache, eager_cache = make_cache(model.cfg), make_cache(model.cfg)
+    for n, (t, _) in enumerate(generate_step(ids, model, max_tokens=60, prompt_cache=cache)):
+        if n == 29:
+            break  # closes the generator: the pipelined 31st token is in the cache, as eagerly
+    for n, (t, _) in enumerate(generate_step(ids, model, max_tokens=60, prompt_cache=eager_cache, compiled=False)):
+        if n == 29:
+            break
+    _same_caches(cache, eager_cache)
+    assert cache_length(cache) == len(ids) + 30
+    rest = [t for t, _ in generate_step([whole[30]], model, max_tokens=29, prompt_cache=cache)]
+    assert rest == whole[31:60]
+    assert cache_length(cache) == len(ids) + 30 + 1 + 28  # run to its end: the last token is not fed back
 
 
 def test_stream_generate_fields(dense):
@@ -232,7 +273,7 @@ def test_max_kv_size_finishes_with_length(dense):
 
 
 def test_generate_step_continues_a_prompt_cache(dense):
-    from gemma4_mlx.cache import cache_length, make_cache
+    from gemma4_mlx.cache import RotatingKVCache, cache_length, make_cache
 
     model, _ = dense
     ids = prompt_ids(18)

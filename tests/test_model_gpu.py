@@ -188,3 +188,23 @@ def test_one_buffer_caches_give_the_same_bits(variant, gguf_path, monkeypatch):
                          for t in range(24, 72)])  # fmt: skip
 
     assert np.array_equal(run(True), run(False))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prompt_cache_continues_through_the_compiled_step(variant, gguf_path, monkeypatch):
+    """f32, default kernels (one K|V buffer where kv_one_write is on): a generation on a prompt_cache
+    stopped early by the consumer, then continued from that cache, gives the tokens of one long
+    generation; the cache handed back by the compiled step holds the positions eager decoding leaves."""
+    from gemma4_mlx.cache import cache_length
+
+    model, _ = load_gguf(gguf_path(variant, "q4_0"), dtype=mx.float32, progress=False, weight_format="blocks")
+    monkeypatch.delenv(custom_kernels.KERNELS_ENV, raising=False)
+    monkeypatch.delenv(custom_kernels.UNPROVEN_ENV, raising=False)
+    prompt = probe_ids(20, seed=31)[0].tolist()
+    whole = [t for t, _ in generate_step(prompt, model, max_tokens=60)]
+    cache = make_cache(model.cfg)
+    for n, _ in enumerate(generate_step(prompt, model, max_tokens=60, prompt_cache=cache)):
+        if n == 29:
+            break  # the generator is closed: the compiled step hands the buffers back
+    assert cache_length(cache) == len(prompt) + 30
+    assert [t for t, _ in generate_step([whole[30]], model, max_tokens=29, prompt_cache=cache)] == whole[31:]

@@ -2,12 +2,14 @@
 
     python bench/tools/generate_paths.py --model 26B-A4B --prompt 64 --tokens 128 --rounds 3
 
-compiled: generate_step owns its cache (what stream_generate, generate and the CLI do since session
-34) and decodes through the compiled fixed-shape step; eager: the caller passes a prompt_cache (what
-they did before), so every step is built op by op and that cache is updated in place. Per round and
-path, in alternation: wall time to the first token (prefill), to the second (the compiled path's
-trace and buffer copy fall here), and the decode rate over tokens 2..N as the consumer receives them.
-Greedy; the model is built once (bench/decode.py's weights). JSON to --out.
+compiled: generate_step owns its cache and decodes through the compiled fixed-shape step (what
+stream_generate, generate and the CLI do since session 34); prompt_cache: the caller's cache moves
+into the compiled step and is handed back at the end (since session 34; before, a prompt_cache
+meant eager steps); eager: compiled=False, every step built op by op, the cache updated in place
+(what stream_generate did before session 34). Per round and path, in turn: wall time to the first
+token (prefill), to the second (the compiled step's trace and buffer copies fall here), and the
+decode rate over tokens 2..N as the consumer receives them. Greedy; the model is built once
+(bench/decode.py's weights). JSON to --out.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ from gemma4_mlx.cpu_matvec import decode_eagerly  # noqa: E402
 from gemma4_mlx.generate import generate_step  # noqa: E402
 
 
-def timed_generation(model, prompt: list[int], tokens: int, prompt_cache: list | None) -> dict:
-    """Seconds to the first and second token, and tokens/s over tokens 2..N."""
+def timed_generation(model, prompt: list[int], tokens: int, **options) -> dict:
+    """Seconds to the first and second token, and tokens/s over tokens 2..N (options: generate_step's)."""
     t0 = time.perf_counter()
     stamps = []
-    for _ in generate_step(prompt, model, max_tokens=tokens, prompt_cache=prompt_cache):
+    for _ in generate_step(prompt, model, max_tokens=tokens, **options):
         stamps.append(time.perf_counter())
     return dict(first_s=stamps[0] - t0, second_s=stamps[1] - t0,
                 tok_s=(len(stamps) - 2) / (stamps[-1] - stamps[1]), tokens=len(stamps))  # fmt: skip
@@ -59,18 +61,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_config(args.model, args.layers)
     model = decode.build_ours(cfg)
     prompt = np.random.default_rng(0).integers(10, cfg.vocab_size, size=args.prompt).tolist()
-    paths = {"compiled": lambda: None, "eager": lambda: make_cache(cfg)}
-    timed_generation(model, prompt, 4, None)  # kernels built once, outside the rounds
+    paths = {"compiled": lambda: {}, "prompt_cache": lambda: dict(prompt_cache=make_cache(cfg)),
+             "eager": lambda: dict(compiled=False)}  # fmt: skip
+    timed_generation(model, prompt, 4)  # kernels built once, outside the rounds
     rows = {name: [] for name in paths}
     for r in range(args.rounds):
-        for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
-            res = timed_generation(model, prompt, args.tokens, paths[name]())
+        for name in list(paths)[r % len(paths):] + list(paths)[: r % len(paths)]:
+            res = timed_generation(model, prompt, args.tokens, **paths[name]())
             rows[name].append(res)
             print(f"round {r + 1} {name}: first {res['first_s']:.3f} s, second {res['second_s']:.3f} s, "
                   f"{res['tok_s']:.1f} tok/s", flush=True)  # fmt: skip
     summary = {name: {k: statistics.median(x[k] for x in rows[name]) for k in ("first_s", "second_s", "tok_s")}
                for name in paths}  # fmt: skip
     summary["compiled_over_eager"] = summary["compiled"]["tok_s"] / summary["eager"]["tok_s"]
+    summary["prompt_cache_over_eager"] = summary["prompt_cache"]["tok_s"] / summary["eager"]["tok_s"]
     # on the CPU, Q4_0 models decode eagerly on both paths (cpu_matvec.decode_eagerly)
     doc = dict(bench="generate_paths", date=datetime.datetime.now().isoformat(timespec="seconds"), model=args.model,
                layers=args.layers or cfg.num_hidden_layers, prompt=args.prompt, tokens=args.tokens,
