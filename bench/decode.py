@@ -778,14 +778,15 @@ def run_matrix(args) -> str:
         f"copy bandwidth {copy['GBps']:.0f} GB/s, mlx-lm {'on' if with_lm else 'off'}")  # fmt: skip
     doc = dict(
         bench="bench/decode.py", date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args),
-        quick=quick, hardware=hardware(),
+        quick=quick, hardware=hardware(), env={k: v for k, v in os.environ.items() if k.startswith("GEMMA4_")},
         versions=dict(mlx=mx.__version__, mlx_lm=_version("mlx-lm") if with_lm else None, numpy=np.__version__,
                       python=platform.python_version(), commit=commit(), sources=sources_digest(), gemma4_mlx=gemma4_mlx.__version__),
         copy_bandwidth=copy,
         method=dict(
             timing=("sync: mx.eval of every token before the next step is built" if args.sync else
                     "pipelined like generate_step: step n+1 built and async_eval'ed before token n is waited for")
-                   + f"; greedy on device; {args.warmup} warm-up + {args.steps} timed tokens per round, "
+                   + f"; greedy on device ({OURS} from the logits, {MLX_LM} from the logprobs, as each library's "
+                     f"generate_step does); {args.warmup} warm-up + {args.steps} timed tokens per round, "
                      f"{args.rounds} rounds, engines interleaved, median round",
             weights=f"{OURS}: Q4_0 BlockLinear/BlockExperts, Q8_0 BlockEmbedding (tied head, per-layer embedding), "
                     f"bf16 router and norms; {MLX_LM}: quantize_model affine 4-bit group {args.mlxlm_group_size}, "

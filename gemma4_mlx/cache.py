@@ -16,7 +16,18 @@ import numpy as np
 from .config import ModelConfig
 
 
-class KVCache:
+class _Holdable:
+    """What both dynamic caches share: `held`, None while the cache is usable, else why it is not
+    (its buffers are inside a compiled decode: `detach`); every use then raises that reason."""
+
+    held: str | None = None
+
+    def _usable(self) -> None:
+        if self.held is not None:
+            raise ValueError(f"this KV cache {self.held}")
+
+
+class KVCache(_Holdable):
     """Full-attention cache: slots 0..offset-1 hold positions 0..offset-1.
 
     Grows in `step`-sized chunks, or is preallocated to `max_size` positions (then writing past it
@@ -35,6 +46,7 @@ class KVCache:
 
     def query_positions(self, t: int) -> mx.array:
         """int32 [t]: the positions of the next t tokens (before their update)."""
+        self._usable()
         return self.offset + mx.arange(t, dtype=mx.int32)
 
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
@@ -57,6 +69,7 @@ class KVCache:
 
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Append keys/values [B, H, T, D]; return (K, V, positions) over all valid slots."""
+        self._usable()
         T = keys.shape[2]
         start = self.offset
         self._grow(keys, values, start + T)
@@ -68,6 +81,7 @@ class KVCache:
 
     def rollback(self, length: int) -> None:
         """Forget every position >= length."""
+        self._usable()
         if not 0 <= length <= self.offset:
             raise ValueError(f"cannot roll back a cache of length {self.offset} to {length}")
         self.offset = length
@@ -77,10 +91,11 @@ class KVCache:
         0..length-1 (a compiled decoder's buffers, handed back)."""
         if not length <= keys.shape[2] <= (self.max_size or keys.shape[2]):
             raise ValueError(f"{keys.shape[2]} slots cannot hold {length} positions within max_size {self.max_size}")
-        self.keys, self.values, self.offset = keys, values, length
+        self.keys, self.values, self.offset, self.held = keys, values, length, None
 
     @property
     def state(self):
+        self._usable()
         return [] if self.keys is None else [self.keys, self.values]
 
     @property
@@ -88,7 +103,7 @@ class KVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
-class RotatingKVCache:
+class RotatingKVCache(_Holdable):
     """Sliding-window cache: a ring of `window + slack` slots; slot of position p is p % capacity.
 
     A query at position q sees keys at q-window+1 .. q. The `slack` extra slots keep the tokens a
@@ -105,6 +120,7 @@ class RotatingKVCache:
 
     def query_positions(self, t: int) -> mx.array:
         """int32 [t]: the positions of the next t tokens (before their update)."""
+        self._usable()
         return self.offset + mx.arange(t, dtype=mx.int32)
 
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -112,6 +128,7 @@ class RotatingKVCache:
 
         Returns (K, V, positions) covering the ring before this write plus the new tokens, so a
         chunk of T > 1 tokens sees the whole window of every query in it."""
+        self._usable()
         B, H, T, Dk = keys.shape
         Dv = values.shape[3]
         C = self.capacity
@@ -143,6 +160,7 @@ class RotatingKVCache:
 
     def rollback(self, length: int) -> None:
         """Forget every position >= length; at most `slack` positions back."""
+        self._usable()
         if not 0 <= length <= self.offset:
             raise ValueError(f"cannot roll back a cache of length {self.offset} to {length}")
         if self.offset - length > self.slack and self.offset > self.capacity:
@@ -153,18 +171,23 @@ class RotatingKVCache:
         self.offset = length
 
     def restore(self, keys: mx.array, values: mx.array, length: int) -> None:
-        """Hold a ring keys / values [B, H, capacity, D] in which slot s holds the latest position
-        p < length with p % capacity == s (a compiled decoder's ring, handed back; a slot a rollback
-        emptied is given its previous lap's position, as StepPosition.ring does)."""
+        """Hold a ring keys / values [B, H, capacity, D] after decoding from this cache's offset to
+        `length` (a compiled decoder's ring, handed back): the slots written since hold the latest
+        position p < length with p % capacity == s, the others keep the positions they had (-1
+        where a rollback emptied them)."""
         if keys.shape[2] != self.capacity:
             raise ValueError(f"a ring of {self.capacity} slots cannot take {keys.shape[2]}")
+        if length < self.offset:
+            raise ValueError(f"a ring of {self.offset} positions cannot go back to {length} by a restore")
         last = length - 1
         latest = last - (last - mx.arange(self.capacity, dtype=mx.int32)) % self.capacity
-        self.keys, self.values, self.offset = keys, values, length
-        self.positions = mx.where(latest >= 0, latest, -1)
+        before = self.positions if self.positions is not None else mx.full((self.capacity,), -1, mx.int32)
+        self.positions = mx.where(latest >= self.offset, latest, before)
+        self.keys, self.values, self.offset, self.held = keys, values, length, None
 
     @property
     def state(self):
+        self._usable()
         return [] if self.keys is None else [self.keys, self.values, self.positions]
 
     @property
@@ -185,19 +208,26 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, rollback_slack:
     return caches
 
 
-def detach(cache: list) -> None:
-    """Drop every cache's buffers (a compiled decoder holds copies of them, or the same arrays,
-    which it can then update in place; CompiledDecoder.hand_back restores them)."""
+DECODING = "is inside a compiled decode that has not ended: finish or close that generator first (gen.close())"
+
+
+def detach(cache: list, reason: str = DECODING) -> None:
+    """Drop every cache's K/V buffers (a compiled decoder holds copies of them, or the same arrays,
+    which it can then update in place; CompiledDecoder.hand_back restores them) and mark the
+    caches `held` for `reason` until then. A ring keeps its positions (restore needs them)."""
     for c in cache:
         if c is not None:
             c.keys = c.values = None
-            if isinstance(c, RotatingKVCache):
-                c.positions = None
+            c.held = reason
 
 
 def cache_length(cache: list) -> int:
     """Number of positions held (all owning caches agree)."""
-    return next((c.offset for c in cache if c is not None), 0)
+    first = next((c for c in cache if c is not None), None)
+    if first is None:
+        return 0
+    first._usable()
+    return first.offset
 
 
 def rollback(cache: list, length: int) -> None:

@@ -97,7 +97,11 @@ class CompiledDecoder:
             # a write past the buffer end (a scatter index) is not checked by MLX: never let it happen
             raise ValueError(f"the compiled decode step is full ({self.capacity} positions)")
         state, self.state = self.state, None
-        out, *new_state = self._step(token, *state)
+        try:
+            out, *new_state = self._step(token, *state)
+        except BaseException:  # nothing was evaluated: the buffers are still this decoder's
+            self.state = state
+            raise
         del state  # the step's graph holds the only references: MLX may update the buffers in place
         self.state = new_state
         self.length += token.shape[-1]

@@ -255,10 +255,11 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
     token leaves that token in the cache too. Generation ends early (no error) when a bounded cache is
     full; a prompt that does not fit raises ValueError. compiled: decode through one `mx.compile`d
     step over fixed-shape caches (compiled_step.py); a prompt_cache's buffers move into that step and
-    come back (CompiledDecoder.hand_back) when the generator ends or is closed (a `for` loop left by
-    `break` closes it): read prompt_cache after that. compiled=False: eager steps that update
-    prompt_cache as they go. On the CPU, models with Q4_0/Q8_0 linears decode eagerly
-    (cpu_matvec.decode_eagerly: their native matvec is faster)."""
+    come back (CompiledDecoder.hand_back) when this generator is exhausted or closed (`gen.close()`,
+    or its last reference dropped): until then the cache raises on use (cache.detach).
+    compiled=False: eager steps that update prompt_cache as they go. On the CPU, models with
+    Q4_0/Q8_0 linears decode eagerly (cpu_matvec.decode_eagerly: their native matvec is faster).
+    Read the logprobs on the thread that runs this generator (they are evaluated when read)."""
     tokens = mx.array(prompt, dtype=mx.int32) if not isinstance(prompt, mx.array) else prompt.astype(mx.int32)
     tokens = tokens.reshape(-1)
     n_prompt = tokens.size
@@ -338,7 +339,10 @@ def generate_step(prompt: mx.array | Sequence[int], model, *, max_tokens: int = 
             y, logprobs = following
     finally:  # also when the consumer stops early (the generator is closed)
         if decoder is not None:
-            decoder.hand_back(cache)
+            if decoder.state is not None:
+                decoder.hand_back(cache)
+            else:  # a step failed after its buffers were given to MLX: say so on every later use
+                detach(cache, "lost its positions when a compiled decode step failed: make a new cache")
 
 
 class ThinkingSplitter:
@@ -448,27 +452,29 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: str | Sequence[int] | m
                                   reasoning=reasoning)
 
     if max_tokens > 0:
-        # no prompt_cache of the caller's: generate_step then owns its cache and decodes through the
-        # compiled step (with one, it keeps that cache updated eagerly)
+        # the caller's prompt_cache or none (then generate_step owns its cache)
         steps = generate_step(ids, model, max_tokens=max_tokens, sampler=sampler,
                               logits_processors=logits_processors, max_kv_size=max_kv_size,
                               prompt_cache=prompt_cache, **kwargs)
-        for token, logprobs in steps:
-            n += 1
-            now = time.perf_counter()
-            if n == 1:
-                prompt_tps = len(ids) / max(now - tic, 1e-9)
-                tic = now
-            else:
-                generation_tps = (n - 1) / max(now - tic, 1e-9)
-            if token in stop:
-                finish = "stop"
-                break
-            text, reasoning = splitter.add(token)
-            if n == max_tokens:
-                break
-            yield response(text, reasoning)
-            text = reasoning = ""
+        try:
+            for token, logprobs in steps:
+                n += 1
+                now = time.perf_counter()
+                if n == 1:
+                    prompt_tps = len(ids) / max(now - tic, 1e-9)
+                    tic = now
+                else:
+                    generation_tps = (n - 1) / max(now - tic, 1e-9)
+                if token in stop:
+                    finish = "stop"
+                    break
+                text, reasoning = splitter.add(token)
+                if n == max_tokens:
+                    break
+                yield response(text, reasoning)
+                text = reasoning = ""
+        finally:  # the compiled step hands a prompt_cache back now, before the last item
+            steps.close()
     tail_text, tail_reasoning = splitter.flush()
     yield response(text + tail_text, reasoning + tail_reasoning, finish)
 

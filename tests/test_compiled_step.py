@@ -325,3 +325,8 @@ def test_restore_checks_the_buffers():
     assert ring.positions.tolist() == [0, 1, 2, -1, -1, -1] and ring.offset == 3
     ring.restore(mx.zeros((1, 1, 6, 2)), mx.zeros((1, 1, 6, 2)), 8)
     assert ring.positions.tolist() == [6, 7, 2, 3, 4, 5]
+    ring.rollback(6)  # slots of positions 6 and 7 emptied; a decode to 7 rewrites slot 0 only
+    ring.restore(mx.zeros((1, 1, 6, 2)), mx.zeros((1, 1, 6, 2)), 7)
+    assert ring.positions.tolist() == [6, -1, 2, 3, 4, 5] and ring.offset == 7
+    with pytest.raises(ValueError, match="go back"):
+        ring.restore(mx.zeros((1, 1, 6, 2)), mx.zeros((1, 1, 6, 2)), 5)

@@ -174,7 +174,7 @@ def test_compiled_generation_continues_a_prompt_cache(dense):
     cache, eager_cache = make_cache(model.cfg), make_cache(model.cfg)
     for n, (t, _) in enumerate(generate_step(ids, model, max_tokens=60, prompt_cache=cache)):
         if n == 29:
-            break  # closes the generator: the pipelined 31st token is in the cache, as eagerly
+            break  # the generator, no longer referenced, is closed: the 30 yielded tokens are in the cache
     for n, (t, _) in enumerate(generate_step(ids, model, max_tokens=60, prompt_cache=eager_cache, compiled=False)):
         if n == 29:
             break
@@ -183,6 +183,50 @@ def test_compiled_generation_continues_a_prompt_cache(dense):
     rest = [t for t, _ in generate_step([whole[30]], model, max_tokens=29, prompt_cache=cache)]
     assert rest == whole[31:60]
     assert cache_length(cache) == len(ids) + 30 + 1 + 28  # run to its end: the last token is not fed back
+
+
+def test_a_prompt_cache_is_held_until_its_generator_ends(dense, monkeypatch):
+    """While a compiled generation holds a prompt_cache, using it raises (no silent continuation
+    from nothing); closing the generator hands it back. stream_generate hands it back before its
+    last item. A step that fails raises its own error and leaves the tokens decoded before it."""
+    gen = importlib.import_module("gemma4_mlx.generate")
+    model, tok = dense
+    ids = prompt_ids(20)
+    cache = make_cache(model.cfg)
+    steps = generate_step(ids, model, max_tokens=10, prompt_cache=cache)
+    for n, _ in enumerate(steps):
+        if n == 3:
+            break
+    with pytest.raises(ValueError, match="close that generator"):
+        cache_length(cache)
+    with pytest.raises(ValueError, match="close that generator"):
+        model(mx.array([ids[:2]]), cache)
+    steps.close()
+    assert cache_length(cache) == len(ids) + 4
+
+    cache = make_cache(model.cfg)
+    for r in stream_generate(model, tok, ids, max_tokens=6, prompt_cache=cache, stop_tokens=()):
+        if r.finish_reason is not None:
+            assert r.generation_tokens == 6 and cache_length(cache) == len(ids) + 5
+
+    class Failing(gen.CompiledDecoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            step, calls = self._step, []
+
+            def failing(*a):
+                calls.append(1)
+                if len(calls) == 4:
+                    raise RuntimeError("boom")
+                return step(*a)
+
+            self._step = failing
+
+    monkeypatch.setattr(gen, "CompiledDecoder", Failing)
+    cache = make_cache(model.cfg)
+    with pytest.raises(RuntimeError, match="boom"):
+        list(generate_step(ids, model, max_tokens=10, prompt_cache=cache))
+    assert cache_length(cache) == len(ids) + 3  # the three steps before the failing one
 
 
 def test_stream_generate_fields(dense):
@@ -273,8 +317,6 @@ def test_max_kv_size_finishes_with_length(dense):
 
 
 def test_generate_step_continues_a_prompt_cache(dense):
-    from gemma4_mlx.cache import RotatingKVCache, cache_length, make_cache
-
     model, _ = dense
     ids = prompt_ids(18)
     whole = [t for t, _ in generate_step(ids, model, max_tokens=6)]

@@ -63,6 +63,19 @@ def test_choose_gives_make_samplers_the_logits_and_others_the_logprobs():
         assert sampler.shift_invariant
 
 
+@pytest.mark.parametrize("settings", [dict(temp=0.7), dict(temp=1.0, top_k=40), dict(temp=1.3, top_p=0.9),
+                                      dict(temp=1.0, min_p=0.05), dict(temp=0.8, top_k=64, top_p=0.95, min_p=0.02,
+                                                                       min_tokens_to_keep=3)])  # fmt: skip
+def test_make_samplers_draw_the_same_from_logits_and_logprobs(settings):
+    """What `shift_invariant` promises: the same seed draws the same tokens from the logits as from
+    the logprobs (the logits shifted by their logsumexp), row by row."""
+    logits = mx.random.normal((300, 2000), key=mx.random.key(7)) * 4
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    a = make_sampler(**settings, seed=3)(logits)
+    b = make_sampler(**settings, seed=3)(logprobs)
+    assert a.tolist() == b.tolist() and len(set(a.tolist())) > 20
+
+
 def test_temperature_matches_softmax_of_scaled_logits():
     logits = np.array([1.0, 0.5, 0.0, -0.5, -1.0], dtype=np.float32)
     lp = mx.array(logits[None] - np.log(np.exp(logits).sum()))

@@ -329,4 +329,3 @@ def test_sample_through_emulated_kernels(emulated):
                                      min_tokens_to_keep=keep, config=sp.SampleConfig(64, 8, 64))  # fmt: skip
         assert np.array(tokens).tolist() == ids[: u.size].tolist(), (temp, top_p, min_p)
         np.testing.assert_allclose(np.array(logprobs), _log_softmax(row)[ids[: u.size]], atol=2e-5)
-
