@@ -1,4 +1,4 @@
-"""generate_step's two decode paths, timed through the library API on random weights in a real shape.
+"""generate_step's three decode paths, timed through the library API on random weights in a real shape.
 
     python bench/tools/generate_paths.py --model 26B-A4B --prompt 64 --tokens 128 --rounds 3
 
