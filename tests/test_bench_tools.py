@@ -4,8 +4,8 @@ with a stand-in compute-sanitizer: its arguments (a limit, then files or node id
 bench/tools/dynamic_smem_probe.py refuses a build without CUDA. bench/tools/kernel_sass.py: its loop
 counter on a hand-written SASS listing, and the CUDA source it compiles. bench/tools/inprocess_ab.py:
 settings alternated in one process, each traced under its own environment. bench/tools/host_profile.py:
-shares of py-spy's folded stacks below one frame. bench/tools/generate_paths.py: both decode paths
-timed in turn. bench/tools/gpu_suite.sh: its two parts, its log
+shares of py-spy's folded stacks below one frame. bench/tools/generate_paths.py: its three
+decode paths timed in turn. bench/tools/gpu_suite.sh: its two parts, its log
 and verdict counts, and its usage errors."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_inprocess_ab_traces_each_setting_under_its_environment(tmp_path):
     assert r.returncode != 0 and "labels must differ" in r.stderr
 
 
-def test_generate_paths_times_both_paths_in_turn(tmp_path):
+def test_generate_paths_times_its_three_paths_in_turn(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench/tools/generate_paths.py"), "--model", "tiny-dense", "--prompt", "8",
            "--tokens", "6", "--rounds", "2", "--out", str(tmp_path / "gp.json")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)

@@ -194,7 +194,7 @@ def test_one_buffer_caches_give_the_same_bits(variant, gguf_path, monkeypatch):
 def test_prompt_cache_continues_through_the_compiled_step(variant, gguf_path, monkeypatch):
     """f32, default kernels (one K|V buffer where kv_one_write is on): a generation on a prompt_cache
     stopped early by the consumer, then continued from that cache, gives the tokens of one long
-    generation; the cache handed back by the compiled step holds the positions eager decoding leaves."""
+    generation (the compiled step handed the cache back with its 30 new positions)."""
     from gemma4_mlx.cache import cache_length
 
     model, _ = load_gguf(gguf_path(variant, "q4_0"), dtype=mx.float32, progress=False, weight_format="blocks")
