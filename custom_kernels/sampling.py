@@ -843,24 +843,16 @@ def sample(logits: mx.array, temp: float, top_k: int = 0, top_p: float = 1.0, mi
         return sample_reference(logits, temp, top_k, top_p, min_p, key_or_uniform,
                                 min_tokens_to_keep=min_tokens_to_keep)  # fmt: skip
     plan = _plan(b, v, k, cfg)
-    if temp == 0:  # greedy: one set of inputs (the filters cannot drop the top rank)
-        u, params = _greedy_inputs(b)
-    else:
-        u = uniform_draw(key_or_uniform, b)
-        params = mx.array(_params(temp, top_p, min_p, min_tokens_to_keep))
+    u = mx.zeros((b,), dtype=mx.float32) if temp == 0 else uniform_draw(key_or_uniform, b)
     cand_val, cand_idx, stats = launch_select(logits.astype(mx.float32), plan)
+    params = mx.array(_params(temp, top_p, min_p, min_tokens_to_keep))
     return launch_merge(cand_val, cand_idx, stats, u, params, plan)
 
 
 @functools.lru_cache(maxsize=64)
 def _plan(b: int, v: int, k: int, cfg: SampleConfig) -> SamplePlan:
+    """plan_sample, made once per shape (the top-k sampler asks for one every token)."""
     return plan_sample(b, v, k, cfg)
-
-
-@functools.lru_cache(maxsize=16)
-def _greedy_inputs(b: int) -> tuple[mx.array, mx.array]:
-    """(u f32 [B] zeros, params f32 [4]) of every greedy call on B rows: made once, not per token."""
-    return mx.zeros((b,), dtype=mx.float32), mx.array(_params(0.0, 1.0, 0.0, 1))
 
 
 # --------------------------------------------------------------------------------------------

@@ -179,8 +179,7 @@ class RotatingKVCache(_Holdable):
             raise ValueError(f"a ring of {self.capacity} slots cannot take {keys.shape[2]}")
         if length < self.offset:
             raise ValueError(f"a ring of {self.offset} positions cannot go back to {length} by a restore")
-        last = length - 1
-        latest = last - (last - mx.arange(self.capacity, dtype=mx.int32)) % self.capacity
+        latest = ring_latest(length - 1, self.capacity)
         before = self.positions if self.positions is not None else mx.full((self.capacity,), -1, mx.int32)
         self.positions = mx.where(latest >= self.offset, latest, before)
         self.keys, self.values, self.offset, self.held = keys, values, length, None
@@ -256,6 +255,12 @@ def write_slots(buffer: mx.array, update: mx.array, slots: mx.array) -> mx.array
 _IOTA: dict[int, mx.array] = {}
 
 
+def ring_latest(last, capacity: int) -> mx.array:
+    """int32 [capacity]: per slot s of a ring, the latest position p <= last (an int or int32
+    scalar) with p % capacity == s; negative where there is none yet."""
+    return last - (last - iota(capacity)) % capacity
+
+
 def iota(n: int) -> mx.array:
     """int32 [n] = 0..n-1, made once per n from host memory: in a compiled decode step a constant,
     not an Arange node evaluated every step (every graph node costs host time per token)."""
@@ -303,8 +308,7 @@ class StepPosition:
         (rollback is bounded by the slack), so the mask is unchanged."""
 
         def compute():
-            slots = iota(capacity)
-            latest = self.offset - (self.offset - slots) % capacity
+            latest = ring_latest(self.offset, capacity)
             return (self.offset % capacity).reshape(1), mx.where(latest >= 0, latest, -1)
 
         return self._once(("ring", capacity), compute)
