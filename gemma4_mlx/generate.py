@@ -433,8 +433,7 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: str | Sequence[int] | m
     else:
         ids = [int(t) for t in prompt]
     stop = set(tokenizer.eos_ids) | set(int(t) for t in (stop_tokens or ()))
-    bounds = prompt_cache if prompt_cache is not None else make_cache(model.cfg, max_kv_size=max_kv_size)
-    free = _free_positions(bounds)
+    free = _free_positions(prompt_cache) if prompt_cache is not None else max_kv_size
     if free is not None and len(ids) <= free:
         max_tokens = min(max_tokens, free - len(ids) + 1)  # the last token is never fed back
     splitter = ThinkingSplitter(tokenizer, enabled=split_thinking)
